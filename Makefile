@@ -1,0 +1,67 @@
+# Strata — the two commands a person needs are `make run` and `make test`; both set everything up.
+SHELL := /bin/bash
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+MODELS := models
+TINY := $(MODELS)/qwen3-tiny
+TINY_NEXT := $(MODELS)/qwen3-next-tiny
+PROTO_SRC := $(shell find protos -name '*.proto')
+PROTO_STAMP := strata/.generated
+PORT ?= 50051
+
+.PHONY: run test test-all soak lint protos install system-deps models clean
+
+run: install models
+	$(BIN)/strata up --model $(TINY) --port $(PORT)
+
+test: install models
+	$(BIN)/python -m pytest -q
+
+# Everything, the slow soak and benchmark runs included.
+test-all: install models
+	$(BIN)/python -m pytest -q -m ''
+
+soak: install models
+	$(BIN)/python -m pytest -q -m slow
+
+lint: install
+	$(BIN)/ruff check services kernels tests
+	$(BIN)/mypy
+
+install: system-deps $(STAMP) $(PROTO_STAMP)
+
+# Debian packages: a real etcd server, and docker-compose to validate compose.yaml offline.
+system-deps:
+	@if ! command -v etcd >/dev/null || ! command -v docker-compose >/dev/null; then \
+	  echo ">> installing Debian packages etcd-server docker-compose"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq etcd-server docker-compose >/dev/null; \
+	fi
+
+$(STAMP): pyproject.toml constraints.txt
+	@echo ">> creating $(VENV) and installing pinned packages"
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]' --config-settings editable_mode=compat
+	touch $@
+
+protos: $(PROTO_STAMP)
+
+$(PROTO_STAMP): $(PROTO_SRC) $(STAMP)
+	@echo ">> generating protobuf code into strata/"
+	rm -rf strata && mkdir -p strata
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
+	touch $@
+
+models: $(TINY)/config.json $(TINY_NEXT)/config.json
+
+$(TINY)/config.json: | install
+	$(BIN)/strata model tiny --arch qwen3 --size tiny --out $(TINY)
+
+$(TINY_NEXT)/config.json: | install
+	$(BIN)/strata model tiny --arch qwen3-next --size tiny --out $(TINY_NEXT)
+
+clean:
+	rm -rf strata .mypy_cache .ruff_cache .pytest_cache
