@@ -1,0 +1,155 @@
+"""The scheduler → worker step contract as plain Python types.
+
+These mirror ``strata.worker.v1`` (see ``protos/strata/worker/v1/worker.proto``); protobuf
+messages are converted to and from them at the gRPC edge (``services.common.step_codec``), so
+the scheduler, the in-process link and the worker engine never handle protobuf.
+
+One step = cache operations executed in order, then one forward pass over ``reqs``, then one
+sample for each request with ``sample=True``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Validated, defaulted sampling parameters (the scheduler fills every field)."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # [0, 1]
+    repetition_penalty: float = 1.0  # (0, 2], 1 = off
+    frequency_penalty: float = 0.0  # [-2, 2]
+    presence_penalty: float = 0.0  # [-2, 2]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class MambaCopy:
+    """Copy Mamba state ``src`` → ``dst`` (copy-on-write or fork); ``src`` is never modified."""
+
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class MambaReset:
+    """Zero Mamba state ``slot`` so a request starts from the empty state."""
+
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseRow:
+    """Forget row ``row`` of req_to_token and the worker's per-request state (not its slots)."""
+
+    row: int
+
+
+CacheOp = MambaCopy | MambaReset | ReleaseRow
+
+
+@dataclass(slots=True)
+class ReqInput:
+    """One request's part of a step: a prefill chunk (extend) or a single decode token.
+
+    The new tokens take positions ``start_pos, start_pos + 1, ...``; their KV is written to
+    ``new_slots`` and they attend to ``row[0:start_pos]`` plus themselves (causally).
+    """
+
+    request_id: str
+    row: int
+    input_ids: list[int]
+    start_pos: int
+    new_slots: list[int]
+    # When non-empty, row[0:start_pos] := prefix_slots first (a matched cached prefix).
+    prefix_slots: list[int] = field(default_factory=list)
+    mamba_slot: int | None = None
+    sample: bool = True
+    sampling: SamplingParams = GREEDY
+    seed: int = 0
+    output_index: int = 0
+    # Sent on a row's first step when penalties are on: every token seen so far.
+    history_ids: list[int] = field(default_factory=list)
+    # ceil(vocab/32) int32 words, bit i set = token i allowed; None = unconstrained.
+    token_bitmask: bytes | None = None
+    return_logprobs: bool = False
+    top_logprobs: int = 0
+    # Overlap: the one input token is what this row sampled in the previous step.
+    use_last_sample: bool = False
+    # W3C trace context (traceparent / tracestate) on a row's first step.
+    trace_context: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_new(self) -> int:
+        return 1 if self.use_last_sample else len(self.input_ids)
+
+
+@dataclass(slots=True)
+class StepRequest:
+    step_id: int
+    ops: list[CacheOp] = field(default_factory=list)
+    reqs: list[ReqInput] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ReqOutput:
+    request_id: str
+    row: int
+    token_id: int
+    logprob: TokenLogprob | None = None
+
+
+@dataclass(slots=True)
+class StepResult:
+    step_id: int
+    outputs: list[ReqOutput] = field(default_factory=list)
+    ops_done: int = 0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    idle_s: float = 0.0
+
+
+class StepError(ValueError):
+    """A step the worker refuses before touching any pool (maps to INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """What a worker serves and how big its pools are (mirrors ``strata.worker.v1.WorkerInfo``)."""
+
+    model: str
+    architecture: str
+    fingerprint: str
+    vocab_size: int
+    context_length: int
+    eos_token_ids: tuple[int, ...]
+    num_slots: int
+    bytes_per_slot: int
+    page_size: int
+    num_rows: int
+    num_mamba_slots: int
+    bytes_per_mamba_slot: int
+    dtype: str
+    hybrid: bool
+    device: str

@@ -1,0 +1,197 @@
+"""Conversion between ``strata.worker.v1`` messages and ``services.common.step`` types.
+
+Used only at the gRPC edge: by the scheduler's gRPC worker link and by the worker servicer.
+"""
+
+from __future__ import annotations
+
+from services.common.step import (
+    CacheOp,
+    MambaCopy,
+    MambaReset,
+    ReleaseRow,
+    ReqInput,
+    ReqOutput,
+    SamplingParams,
+    StepRequest,
+    StepResult,
+    TokenLogprob,
+    WorkerInfo,
+)
+from strata.v1 import strata_pb2 as pb
+from strata.worker.v1 import worker_pb2 as wpb
+
+
+def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
+    return pb.SamplingParams(
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty,
+        frequency_penalty=p.frequency_penalty,
+        presence_penalty=p.presence_penalty,
+    )
+
+
+def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
+    """Fields are already validated and defaulted by the scheduler; unset optionals take defaults."""
+    return SamplingParams(
+        temperature=m.temperature if m.HasField("temperature") else 1.0,
+        top_p=m.top_p if m.HasField("top_p") else 1.0,
+        top_k=m.top_k,
+        min_p=m.min_p,
+        repetition_penalty=m.repetition_penalty if m.HasField("repetition_penalty") else 1.0,
+        frequency_penalty=m.frequency_penalty,
+        presence_penalty=m.presence_penalty,
+    )
+
+
+def logprob_to_pb(lp: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )
+
+
+def logprob_from_pb(m: pb.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(m.token_id, m.logprob, tuple((t.token_id, t.logprob) for t in m.top))
+
+
+def _op_to_pb(op: CacheOp) -> wpb.CacheOp:
+    if isinstance(op, MambaCopy):
+        return wpb.CacheOp(mamba_copy=wpb.MambaCopy(src=op.src, dst=op.dst))
+    if isinstance(op, MambaReset):
+        return wpb.CacheOp(mamba_reset=wpb.MambaReset(slot=op.slot))
+    return wpb.CacheOp(release_row=wpb.ReleaseRow(row=op.row))
+
+
+def _op_from_pb(m: wpb.CacheOp) -> CacheOp:
+    kind = m.WhichOneof("op")
+    if kind == "mamba_copy":
+        return MambaCopy(m.mamba_copy.src, m.mamba_copy.dst)
+    if kind == "mamba_reset":
+        return MambaReset(m.mamba_reset.slot)
+    if kind == "release_row":
+        return ReleaseRow(m.release_row.row)
+    raise ValueError(f"cache op with no operation set ({kind!r})")
+
+
+def step_to_pb(s: StepRequest) -> wpb.StepRequest:
+    reqs = [
+        wpb.ReqInput(
+            request_id=r.request_id,
+            row=r.row,
+            input_ids=r.input_ids,
+            start_pos=r.start_pos,
+            prefix_slots=r.prefix_slots,
+            new_slots=r.new_slots,
+            mamba_slot=-1 if r.mamba_slot is None else r.mamba_slot,
+            sample=r.sample,
+            sampling=sampling_to_pb(r.sampling),
+            seed=r.seed,
+            output_index=r.output_index,
+            history_ids=r.history_ids,
+            token_bitmask=r.token_bitmask or b"",
+            return_logprobs=r.return_logprobs,
+            top_logprobs=r.top_logprobs,
+            use_last_sample=r.use_last_sample,
+            trace_context=r.trace_context,
+        )
+        for r in s.reqs
+    ]
+    return wpb.StepRequest(step_id=s.step_id, ops=[_op_to_pb(o) for o in s.ops], reqs=reqs)
+
+
+def step_from_pb(m: wpb.StepRequest) -> StepRequest:
+    reqs = [
+        ReqInput(
+            request_id=r.request_id,
+            row=r.row,
+            input_ids=list(r.input_ids),
+            start_pos=r.start_pos,
+            new_slots=list(r.new_slots),
+            prefix_slots=list(r.prefix_slots),
+            mamba_slot=None if r.mamba_slot < 0 else r.mamba_slot,
+            sample=r.sample,
+            sampling=sampling_from_pb(r.sampling),
+            seed=r.seed,
+            output_index=r.output_index,
+            history_ids=list(r.history_ids),
+            token_bitmask=r.token_bitmask or None,
+            return_logprobs=r.return_logprobs,
+            top_logprobs=r.top_logprobs,
+            use_last_sample=r.use_last_sample,
+            trace_context=dict(r.trace_context),
+        )
+        for r in m.reqs
+    ]
+    return StepRequest(step_id=m.step_id, ops=[_op_from_pb(o) for o in m.ops], reqs=reqs)
+
+
+def result_to_pb(r: StepResult) -> wpb.StepResult:
+    outs = []
+    for o in r.outputs:
+        out = wpb.ReqOutput(request_id=o.request_id, row=o.row, token_id=o.token_id)
+        if o.logprob is not None:
+            out.logprob.CopyFrom(logprob_to_pb(o.logprob))
+        outs.append(out)
+    return wpb.StepResult(
+        step_id=r.step_id,
+        outputs=outs,
+        ops_done=r.ops_done,
+        forward_s=r.forward_s,
+        sample_s=r.sample_s,
+        idle_s=r.idle_s,
+    )
+
+
+def result_from_pb(m: wpb.StepResult) -> StepResult:
+    outs = [
+        ReqOutput(
+            o.request_id, o.row, o.token_id, logprob_from_pb(o.logprob) if o.HasField("logprob") else None
+        )
+        for o in m.outputs
+    ]
+    return StepResult(m.step_id, outs, m.ops_done, m.forward_s, m.sample_s, m.idle_s)
+
+
+def info_to_pb(i: WorkerInfo) -> wpb.WorkerInfo:
+    return wpb.WorkerInfo(
+        model=i.model,
+        architecture=i.architecture,
+        fingerprint=i.fingerprint,
+        vocab_size=i.vocab_size,
+        context_length=i.context_length,
+        eos_token_ids=list(i.eos_token_ids),
+        num_slots=i.num_slots,
+        bytes_per_slot=i.bytes_per_slot,
+        page_size=i.page_size,
+        num_rows=i.num_rows,
+        num_mamba_slots=i.num_mamba_slots,
+        bytes_per_mamba_slot=i.bytes_per_mamba_slot,
+        dtype=i.dtype,
+        hybrid=i.hybrid,
+        device=i.device,
+    )
+
+
+def info_from_pb(m: wpb.WorkerInfo) -> WorkerInfo:
+    return WorkerInfo(
+        model=m.model,
+        architecture=m.architecture,
+        fingerprint=m.fingerprint,
+        vocab_size=m.vocab_size,
+        context_length=m.context_length,
+        eos_token_ids=tuple(m.eos_token_ids),
+        num_slots=m.num_slots,
+        bytes_per_slot=m.bytes_per_slot,
+        page_size=m.page_size,
+        num_rows=m.num_rows,
+        num_mamba_slots=m.num_mamba_slots,
+        bytes_per_mamba_slot=m.bytes_per_mamba_slot,
+        dtype=m.dtype,
+        hybrid=m.hybrid,
+        device=m.device,
+    )

@@ -1,0 +1,244 @@
+"""Forming one step: which requests run, which tokens, which slots (continuous batching).
+
+Pure bookkeeping over ``KVMemory`` and the queues; no I/O. The loop calls ``plan`` once per step
+and ``commit`` with the step's result.
+
+Order of a plan:
+  1. finalize aborted requests;
+  2. decodes of running requests (one token each); when memory runs out, retract the newest
+     running request (its KV goes to the cache, it goes back to the front of the queue);
+  3. continue chunked prefills, then admit waiting requests, under the prefill token budget.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.common.step import CacheOp, ReleaseRow, ReqInput, StepRequest
+from services.scheduler.memory import KVMemory
+from services.scheduler.request import Finish, FinishEvent, Req, TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLimits:
+    max_prefill_tokens: int  # new prompt tokens per step (chunk budget)
+    max_running: int  # requests holding a row
+    fcfs: bool = True  # False: longest cached prefix first
+
+
+@dataclass(slots=True)
+class Plan:
+    step: StepRequest
+    reqs: list[Req]  # one per ReqInput, same order
+    sampled: list[Req] = field(default_factory=list)  # those with sample=True, in order
+
+
+def _decoding(req: Req) -> bool:
+    """Its only uncomputed token is the last one sampled."""
+    return bool(req.output) and req.remaining_prefill == 1
+
+
+def _prefilling(req: Req) -> bool:
+    return req.remaining_prefill > 0 and not _decoding(req)
+
+
+class Batcher:
+    def __init__(
+        self, memory: KVMemory, limits: BatchLimits, eos: frozenset[int], context_length: int
+    ) -> None:
+        self.mem = memory
+        self.limits = limits
+        self.eos = eos
+        self.context_length = context_length
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.pending_ops: list[CacheOp] = []
+        self.step_id = 0
+        self.retractions = 0
+        self.cached_tokens = 0  # Σ prompt tokens reused on first admission
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # -- plan -----------------------------------------------------------------------------------
+    def plan(self) -> Plan | None:
+        self._drop_aborted()
+        inputs: list[tuple[Req, int]] = []  # (req, number of new tokens)
+        self._schedule_decodes(inputs)
+        budget = self.limits.max_prefill_tokens
+        for req in self.running:
+            if _prefilling(req) and budget > 0:
+                n = self._grant(req, min(req.remaining_prefill, budget))
+                if n:
+                    inputs.append((req, n))
+                    budget -= n
+        budget = self._admit(inputs, budget)
+        if not inputs and self.running:
+            # Every running request is mid-prefill and memory is full: make room by retraction.
+            if self._retract_newest(exclude=self.running[0]) is None:
+                raise AssertionError("a single prefilling request cannot fit the pool")
+            return self.plan()
+        if not inputs and not self.pending_ops:
+            return None
+        self.step_id += 1
+        step = StepRequest(self.step_id, ops=self.pending_ops, reqs=[])
+        self.pending_ops = []
+        plan = Plan(step, [])
+        for req, n in inputs:
+            plan.step.reqs.append(self._input(req, n))
+            plan.reqs.append(req)
+            if plan.step.reqs[-1].sample:
+                plan.sampled.append(req)
+        return plan
+
+    def _schedule_decodes(self, inputs: list[tuple[Req, int]]) -> None:
+        decodes = [r for r in self.running if _decoding(r)]
+        i = 0
+        while i < len(decodes):
+            req = decodes[i]
+            if self._grant(req, 1):
+                inputs.append((req, 1))
+                i += 1
+                continue
+            victim = self._retract_newest(exclude=req)
+            if victim is None:
+                raise AssertionError("out of KV memory with a single running request; pool too small")
+            if victim in decodes:
+                j = decodes.index(victim)
+                decodes.pop(j)
+                if j < i:
+                    i -= 1
+                    inputs[:] = [(r, n) for r, n in inputs if r is not victim]
+
+    def _grant(self, req: Req, n: int) -> int:
+        """Allocate ``n`` slots for the next ``n`` tokens of ``req``; 0 when memory is short."""
+        got = self.mem.alloc(n)
+        if got is None:
+            return 0
+        req.slots.extend(got[:n])
+        if len(got) > n:  # page rounding: keep the page tail for the next tokens
+            self.mem.slots.free(got[n:])
+        return n
+
+    def _admit(self, inputs: list[tuple[Req, int]], budget: int) -> int:
+        if not self.limits.fcfs and len(self.waiting) > 1:
+            self.waiting = deque(sorted(self.waiting, key=self.mem.prefix_len, reverse=True))
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_running:
+            req = self.waiting[0]
+            row = self.mem.rows.alloc()
+            if row is None:
+                break
+            matched = self.mem.match(req)
+            need = len(req.seq) - matched
+            chunk = min(need, budget)
+            # Keep room for the decodes of everyone running (one token each next step).
+            if self.mem.available() - len(self.running) < chunk or not self._grant(req, chunk):
+                self.mem.cache_and_release(req)
+                self.mem.rows.free(row)
+                if not self.running and not inputs:
+                    raise AssertionError("a waiting request cannot fit an empty pool")
+                break
+            self.waiting.popleft()
+            req.row = row
+            req.sent_history = False
+            if req.first_admission:
+                req.cached_tokens = matched
+                self.cached_tokens += matched
+                req.first_admission = False
+            self.running.append(req)
+            inputs.append((req, chunk))
+            budget -= chunk
+        return budget
+
+    def _input(self, req: Req, n: int) -> ReqInput:
+        start = req.computed - n
+        seq = req.seq
+        assert req.row is not None
+        ri = ReqInput(
+            request_id=req.rid,
+            row=req.row,
+            input_ids=seq[start : start + n],
+            start_pos=start,
+            new_slots=req.slots[start:],
+            prefix_slots=req.slots[:start] if not req.sent_history else [],
+            mamba_slot=req.mamba_slot,
+            sample=start + n == len(seq),
+            sampling=req.gen.sampling,
+            seed=req.seed,
+            output_index=len(req.output),
+            return_logprobs=req.gen.return_logprobs,
+            top_logprobs=req.gen.top_logprobs,
+            trace_context=req.trace_context if not req.sent_history else {},
+        )
+        if not req.sent_history and req.gen.sampling.has_penalties:
+            ri.history_ids = seq[:start]
+        req.sent_history = True
+        return ri
+
+    # -- commit ---------------------------------------------------------------------------------
+    def commit(self, plan: Plan, sampled: list[tuple[int, object]]) -> None:
+        """Record the samples (token id, logprob or None) of ``plan.sampled``, in order."""
+        for req, (tok, lp) in zip(plan.sampled, sampled, strict=True):
+            if req.finished is not None or req.aborted:
+                continue
+            req.output.append(tok)
+            req.emit(TokenEvent((tok,), (lp,) if lp is not None else ()))  # type: ignore[arg-type]
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                self.finish(req, reason)
+
+    def _stop_reason(self, req: Req, tok: int) -> Finish | None:
+        g = req.gen
+        if (tok in self.eos and not g.ignore_eos) or tok in g.stop_token_ids:
+            return Finish.STOP
+        if len(req.output) >= g.max_new_tokens or len(req.seq) >= self.context_length:
+            return Finish.LENGTH
+        return None
+
+    def finish(self, req: Req, reason: Finish, error: str = "") -> None:
+        req.finished = reason
+        self._release(req)
+        if req in self.running:
+            self.running.remove(req)
+        req.emit(FinishEvent(reason, len(req.prompt), len(req.output), req.cached_tokens, error))
+
+    def _release(self, req: Req) -> None:
+        self.mem.cache_and_release(req)
+        row = self.mem.free_row(req)
+        if row is not None:
+            self.pending_ops.append(ReleaseRow(row))
+
+    def _retract_newest(self, exclude: Req) -> Req | None:
+        for victim in reversed(self.running):
+            if victim is not exclude:
+                break
+        else:
+            return None
+        self._release(victim)
+        self.running.remove(victim)
+        victim.retractions += 1
+        self.retractions += 1
+        self.waiting.appendleft(victim)
+        log.info("retracted %s (%d tokens) to free KV memory", victim.rid, len(victim.seq))
+        return victim
+
+    def _drop_aborted(self) -> None:
+        for req in [r for r in self.waiting if r.aborted]:
+            self.waiting.remove(req)
+            req.emit_abort()
+        for req in [r for r in self.running if r.aborted]:
+            self.finish(req, Finish.ABORT)
+
+    def fail_all(self, error: str) -> None:
+        """The worker is gone: requeue running requests (their KV is lost) at the front."""
+        for req in reversed(self.running):
+            req.slots, req.cache_len, req.lock, req.row = [], 0, None, None
+            self.waiting.appendleft(req)
+        self.running = []
+        self.pending_ops = []
+        log.warning("worker lost (%s); %d requests requeued", error, len(self.waiting))

@@ -1,0 +1,53 @@
+"""Scheduler configuration (frozen; see ``services.common.config``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from services.common.config import ConfigError
+from services.scheduler.loop import LoopConfig
+
+
+def _h(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    host: str = field(default="127.0.0.1", metadata=_h("address to listen on"))
+    port: int = field(default=0, metadata=_h("port to listen on; 0 picks a free one"))
+    instance_id: str = field(default="", metadata=_h("etcd instance id; empty = scheduler-<port>"))
+    etcd: str = field(default="", metadata=_h("etcd endpoint host:port; empty = use --worker"))
+    worker: str = field(default="", metadata=_h("a fixed worker address instead of etcd discovery"))
+    model: str = field(default="", metadata=_h("serve only workers of this model name (empty = any)"))
+    cache: Literal["radix", "none"] = field(default="radix", metadata=_h("prefix cache"))
+    eviction: Literal["lru", "lfu"] = field(default="lru", metadata=_h("prefix cache eviction order"))
+    policy: Literal["fcfs", "lpm"] = field(default="fcfs", metadata=_h("admission order"))
+    max_prefill_tokens: int = field(default=1024, metadata=_h("prompt tokens per step (chunk budget)"))
+    max_running: int = field(default=256, metadata=_h("requests running at once"))
+    worker_wait_s: float = field(default=30.0, metadata=_h("how long a request waits for a worker"))
+    check_invariants: bool = field(default=True, metadata=_h("check KV accounting whenever idle"))
+    metrics_port: int = field(default=-1, metadata=_h("Prometheus port; -1 = off, 0 = pick"))
+    trace_exporter: Literal["none", "console", "file", "otlp"] = field(default="none", metadata=_h("spans"))
+    trace_target: str = field(default="", metadata=_h("file path or OTLP endpoint for spans"))
+    log_level: str = field(default="info", metadata=_h("debug, info, warning, error"))
+
+    def validate(self) -> None:
+        if not self.etcd and not self.worker:
+            raise ConfigError("etcd or worker: one is needed to find a worker")
+        if self.max_prefill_tokens < 1:
+            raise ConfigError("max_prefill_tokens: must be >= 1")
+        if self.max_running < 1:
+            raise ConfigError("max_running: must be >= 1")
+
+    def loop(self) -> LoopConfig:
+        return LoopConfig(
+            cache=self.cache,
+            eviction=self.eviction,
+            policy=self.policy,
+            max_prefill_tokens=self.max_prefill_tokens,
+            max_running=self.max_running,
+            worker_wait_s=self.worker_wait_s,
+            check_invariants=self.check_invariants,
+        )

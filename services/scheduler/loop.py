@@ -1,0 +1,178 @@
+"""The scheduler's main loop: plan a step, run it on the worker, record the samples.
+
+    while serving:
+        plan   = batcher.plan()            # who runs, which tokens, which slots
+        result = await worker.step(plan)   # forward + sample on the worker
+        batcher.commit(plan, result)       # append tokens, stop checks, cache finished prefixes
+
+The worker can come and go (discovery): ``attach`` rebuilds the memory view from its pools and
+``detach`` requeues everything that was running, since its KV died with the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from services.common.errors import ResourceExhausted, Unavailable
+from services.common.step import WorkerInfo
+from services.common.validation import Limits
+from services.scheduler.batcher import Batcher, BatchLimits
+from services.scheduler.memory import KVMemory
+from services.scheduler.request import Req
+from services.scheduler.worker_link import WorkerGone, WorkerLink
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoopConfig:
+    cache: str = "radix"  # "radix" | "none"
+    eviction: str = "lru"  # "lru" | "lfu"
+    policy: str = "fcfs"  # "fcfs" | "lpm" (longest prefix match first)
+    max_prefill_tokens: int = 1024
+    max_running: int = 256
+    worker_wait_s: float = 30.0
+    check_invariants: bool = True
+
+
+@dataclass(slots=True)
+class Counters:
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    busy_s: float = 0.0
+
+
+class SchedulerLoop:
+    def __init__(self, cfg: LoopConfig) -> None:
+        self.cfg = cfg
+        self.link: WorkerLink | None = None
+        self.batcher: Batcher | None = None
+        self.requests: dict[str, Req] = {}
+        self.counters = Counters()
+        self._wake = asyncio.Event()
+        self._ready = asyncio.Event()
+        self._orphans: list[Req] = []  # requeued while no worker is attached
+
+    # -- workers --------------------------------------------------------------------------------
+    @property
+    def info(self) -> WorkerInfo | None:
+        return self.link.info if self.link is not None else None
+
+    def attach(self, link: WorkerLink) -> None:
+        """Serve with ``link``'s worker; its pools start empty."""
+        info = link.info
+        mem = KVMemory(info.num_slots, info.num_rows, info.page_size, self.cfg.cache, self.cfg.eviction)
+        limits = BatchLimits(
+            max_prefill_tokens=self.cfg.max_prefill_tokens,
+            max_running=min(self.cfg.max_running, info.num_rows),
+            fcfs=self.cfg.policy == "fcfs",
+        )
+        batcher = Batcher(mem, limits, frozenset(info.eos_token_ids), info.context_length)
+        for req in self._orphans:
+            batcher.waiting.append(req)
+        self._orphans = []
+        self.link, self.batcher = link, batcher
+        self._ready.set()
+        self._wake.set()
+        log.info("attached worker %s: %d slots, %d rows", info.model, info.num_slots, info.num_rows)
+
+    async def detach(self, reason: str) -> None:
+        link, batcher = self.link, self.batcher
+        self.link, self.batcher = None, None
+        self._ready.clear()
+        if batcher is not None:
+            batcher.fail_all(reason)
+            self._orphans = [r for r in batcher.waiting if not r.aborted]
+            for r in batcher.waiting:
+                if r.aborted:
+                    r.emit_abort()
+        if link is not None:
+            await link.close()
+
+    async def wait_for_worker(self) -> WorkerInfo:
+        try:
+            await asyncio.wait_for(self._ready.wait(), self.cfg.worker_wait_s)
+        except TimeoutError:
+            raise Unavailable(f"no worker connected within {self.cfg.worker_wait_s:.0f}s") from None
+        assert self.link is not None
+        return self.link.info
+
+    def limits(self) -> Limits:
+        info = self.info
+        if info is None:
+            raise Unavailable("no worker connected")
+        return Limits(info.vocab_size, info.context_length)
+
+    # -- requests -------------------------------------------------------------------------------
+    def submit(self, req: Req) -> None:
+        info = self.info
+        if info is None or self.batcher is None:
+            raise Unavailable("no worker connected")
+        need = len(req.prompt) + req.gen.max_new_tokens - 1
+        if need > info.num_slots:
+            raise ResourceExhausted(
+                f"the request needs up to {need} KV slots (prompt {len(req.prompt)} + max_new_tokens "
+                f"{req.gen.max_new_tokens}) but the worker's pool has {info.num_slots}"
+            )
+        self.requests[req.rid] = req
+        self.counters.prompt_tokens += len(req.prompt)
+        self.batcher.waiting.append(req)
+        self._wake.set()
+
+    def abort(self, rid: str) -> bool:
+        req = self.requests.get(rid)
+        if req is None or req.finished is not None:
+            return False
+        req.aborted = True
+        if self.batcher is None:  # orphaned: nothing to free
+            if req in self._orphans:
+                self._orphans.remove(req)
+            req.emit_abort()
+        self._wake.set()
+        return True
+
+    def forget(self, rid: str) -> None:
+        self.requests.pop(rid, None)
+
+    # -- the loop -------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            if self.batcher is None or self.link is None:
+                await _first(self._ready.wait(), stop.wait())
+                continue
+            batcher, link = self.batcher, self.link
+            plan = batcher.plan()
+            if plan is None:
+                if self.cfg.check_invariants and batcher.idle:
+                    batcher.mem.check_idle_invariant()
+                self._wake.clear()
+                await _first(self._wake.wait(), stop.wait())
+                continue
+            t0 = time.perf_counter()
+            try:
+                await link.send(plan.step)
+                result = await link.recv()
+            except WorkerGone as e:
+                log.warning("%s", e)
+                await self.detach(str(e))
+                continue
+            self.counters.busy_s += time.perf_counter() - t0
+            self.counters.steps += 1
+            self.counters.generated_tokens += len(result.outputs)
+            batcher.commit(plan, [(o.token_id, o.logprob) for o in result.outputs])
+            # Let servicers stream what was just produced before planning the next step.
+            await asyncio.sleep(0)
+
+
+async def _first(*aws: object) -> None:
+    """Wait until the first of the awaitables completes; cancel the rest."""
+    tasks = [asyncio.ensure_future(a) for a in aws]  # type: ignore[call-overload]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()

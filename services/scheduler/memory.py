@@ -1,0 +1,121 @@
+"""The scheduler's view of one worker's KV memory: slot allocator + prefix cache + rows.
+
+Ownership of a request's slots (see ``Req``): ``slots[:cache_len]`` belong to the cache and are
+locked by the request; ``slots[cache_len:]`` belong to the request until it caches or frees them.
+Invariant (checked when idle): ``free + evictable + protected == size``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from services.scheduler.allocator import RowAllocator, SlotAllocator
+from services.scheduler.cache.base import CacheKey, NoCache, PrefixCache
+from services.scheduler.cache.radix import RadixCache
+from services.scheduler.request import Req
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    size: int
+    free: int
+    evictable: int
+    protected: int
+
+    @property
+    def used_by_requests(self) -> int:
+        return self.size - self.free - self.evictable - self.protected
+
+
+class KVMemory:
+    """Slots, rows and the prefix cache of one worker. Pure Python: no tensors here."""
+
+    def __init__(
+        self, num_slots: int, num_rows: int, page_size: int, cache: str, policy: str = "lru"
+    ) -> None:
+        self.size = num_slots
+        self.page_size = page_size
+        self.slots = SlotAllocator(num_slots, page_size)
+        self.rows = RowAllocator(num_rows)
+        self.cache: PrefixCache = (
+            RadixCache(page_size, self.slots.free, policy=policy)  # type: ignore[arg-type]
+            if cache == "radix"
+            else NoCache(page_size, self.slots.free)
+        )
+
+    # -- matching and locking -------------------------------------------------------------------
+    def match(self, req: Req) -> int:
+        """Lock the longest cached prefix of ``req.seq`` (leaving at least one token to compute,
+        since the last one must produce logits) and adopt its slots. Returns the matched length."""
+        seq = req.seq
+        m = self.cache.match_prefix(CacheKey(seq[: len(seq) - 1], req.cache_salt))
+        n = len(m.slots)
+        if n:
+            self.cache.lock(m.node)
+            req.lock = m.node
+            req.slots = list(m.slots)
+            req.cache_len = n
+        return n
+
+    def prefix_len(self, req: Req) -> int:
+        """How much of ``req.seq`` is cached now (no locking; for longest-prefix-first ordering)."""
+        seq = req.seq
+        return len(self.cache.match_prefix(CacheKey(seq[: len(seq) - 1], req.cache_salt)).slots)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """``n`` slots (rounded to whole pages by the allocator), evicting unlocked cache if needed."""
+        got = self.slots.alloc(n)
+        if got is None:
+            short = n - self.slots.available + self.page_size
+            self._evict(short)
+            got = self.slots.alloc(n)
+        return got
+
+    def _evict(self, n: int) -> None:
+        self.cache.evict(n)  # frees through the allocator callback
+
+    # -- releasing ------------------------------------------------------------------------------
+    def cache_and_release(self, req: Req) -> None:
+        """Give the request's computed tokens to the cache (dedup frees the duplicates), unlock
+        its old path, free everything the cache did not take, and forget the slots."""
+        computed, m = req.computed, req.cache_len
+        # Only whole pages can be cached; a partial tail page stays the request's to free.
+        aligned = self.cache.aligned_len(computed)
+        if aligned > m:
+            key = CacheKey(req.seq[:aligned], req.cache_salt)
+            cached = self.cache.insert(key, req.slots[:aligned])
+            # [m, cached) duplicate what the tree already holds; [cached, aligned) now belong to it.
+            to_free = req.slots[m:cached] + req.slots[aligned:]
+        else:
+            to_free = req.slots[m:]
+        if req.lock is not None:
+            self.cache.unlock(req.lock)
+        if to_free:
+            self.slots.free(to_free)
+        req.lock = None
+        req.slots = []
+        req.cache_len = 0
+
+    def free_row(self, req: Req) -> int | None:
+        row = req.row
+        if row is not None:
+            self.rows.free(row)
+            req.row = None
+        return row
+
+    # -- accounting -----------------------------------------------------------------------------
+    def available(self) -> int:
+        """Slots a new request could get: free now plus evictable."""
+        return self.slots.available + self.cache.evictable_size
+
+    def usage(self) -> Usage:
+        return Usage(self.size, self.slots.available, self.cache.evictable_size, self.cache.protected_size)
+
+    def check_idle_invariant(self) -> None:
+        """With no request holding slots: free + evictable + protected == size."""
+        u = self.usage()
+        if u.free + u.evictable + u.protected != u.size:
+            raise AssertionError(f"KV accounting broken when idle: {u}")

@@ -1,0 +1,93 @@
+"""A request as the scheduler sees it, and the events it streams back to the servicer."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common.step import TokenLogprob
+from services.common.validation import Generation
+
+
+class Finish(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """Tokens sampled for a request since its previous event."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class FinishEvent:
+    reason: Finish
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    error: str = ""
+
+
+Event = TokenEvent | FinishEvent
+
+
+@dataclass(eq=False, slots=True)
+class Req:
+    """One generation request.
+
+    ``slots[i]`` holds the KV of token ``i`` of ``seq`` (prompt + output); ``len(slots)`` tokens
+    are computed. ``slots[:cache_len]`` belong to the prefix cache (matched or inserted) and are
+    protected by ``lock``; the rest are the request's own.
+    """
+
+    rid: str
+    prompt: list[int]
+    gen: Generation
+    seed: int
+    cache_salt: str = ""
+    trace_context: dict[str, str] = field(default_factory=dict)
+    grammar: Any = None  # a compiled matcher (grammar issue); None = unconstrained
+    output: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    row: int | None = None
+    mamba_slot: int | None = None
+    cache_len: int = 0  # prefix tokens owned by the cache and locked by this request
+    lock: Any = None  # the cache node locked for slots[:cache_len]
+    cached_tokens: int = 0  # prompt tokens reused on first admission (reported as usage)
+    first_admission: bool = True
+    sent_history: bool = False
+    aborted: bool = False
+    finished: Finish | None = None
+    retractions: int = 0
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+
+    @property
+    def seq(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def computed(self) -> int:
+        return len(self.slots)
+
+    @property
+    def remaining_prefill(self) -> int:
+        """Tokens of ``seq`` without KV, except the last sampled one (decode input)."""
+        return len(self.prompt) + len(self.output) - self.computed
+
+    @property
+    def in_decode(self) -> bool:
+        return bool(self.output) and self.computed == len(self.seq) - 1
+
+    def emit(self, event: Event) -> None:
+        self.events.put_nowait(event)
+
+    def emit_abort(self) -> None:
+        self.finished = Finish.ABORT
+        self.emit(FinishEvent(Finish.ABORT, len(self.prompt), len(self.output), self.cached_tokens))

@@ -1,0 +1,202 @@
+"""The scheduler's gRPC servicer (a thin adapter over ``SchedulerLoop``) and its process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import secrets
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.common import config as cfgmod
+from services.common import step_codec, telemetry, validation
+from services.common.discovery import Discovery, Registration, ServiceRecord
+from services.common.errors import AlreadyExists, FailedPrecondition
+from services.common.metrics import start_metrics_server
+from services.common.server import Server, install_stop_signals, setup_logging
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.loop import SchedulerLoop
+from services.scheduler.request import Finish, FinishEvent, Req, TokenEvent
+from services.scheduler.worker_link import GrpcWorkerLink, WorkerGone
+from strata.scheduler.v1 import scheduler_pb2 as spb
+from strata.scheduler.v1 import scheduler_pb2_grpc as sgrpc
+from strata.v1 import strata_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+_FINISH = {
+    Finish.STOP: pb.FINISH_REASON_STOP,
+    Finish.LENGTH: pb.FINISH_REASON_LENGTH,
+    Finish.ABORT: pb.FINISH_REASON_ABORT,
+    Finish.ERROR: pb.FINISH_REASON_ERROR,
+}
+
+
+class SchedulerServicer(sgrpc.SchedulerServicer):
+    def __init__(self, loop: SchedulerLoop) -> None:
+        self.loop = loop
+
+    async def Generate(
+        self, request: spb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[spb.GenerateResponse]:
+        await self.loop.wait_for_worker()
+        limits = self.loop.limits()
+        ids = list(request.input_ids)
+        validation.check_ids("input_ids", ids, limits)
+        validation.check_cache_salt(request.cache_salt)
+        gen = validation.generation(
+            request.sampling, len(ids), limits, request.return_logprobs, request.top_logprobs
+        )
+        if request.constraint.WhichOneof("kind"):
+            raise FailedPrecondition("constraint: structured output is not enabled on this scheduler yet")
+        rid = request.request_id or uuid.uuid4().hex
+        validation.check_request_id(rid)
+        if rid in self.loop.requests:
+            raise AlreadyExists(f"request_id: {rid!r} is already running")
+        seed = gen.seed if gen.seed is not None else secrets.randbits(63)
+        req = Req(rid, ids, gen, seed, request.cache_salt, trace_context=telemetry.inject_context())
+        self.loop.submit(req)
+        try:
+            while True:
+                event = await req.events.get()
+                if isinstance(event, TokenEvent):
+                    ids_out, lps = list(event.token_ids), list(event.logprobs)
+                    # Coalesce what is already queued into one message.
+                    while not req.events.empty() and isinstance(nxt := req.events._queue[0], TokenEvent):  # type: ignore[attr-defined]
+                        req.events.get_nowait()
+                        ids_out += nxt.token_ids
+                        lps += nxt.logprobs
+                    # Usage so far rides along, so a client that stops early still knows its cache hit.
+                    usage = pb.Usage(
+                        prompt_tokens=len(ids),
+                        completion_tokens=len(req.output),
+                        cached_tokens=req.cached_tokens,
+                    )
+                    yield spb.GenerateResponse(
+                        request_id=rid,
+                        token_ids=ids_out,
+                        logprobs=[step_codec.logprob_to_pb(lp) for lp in lps],
+                        usage=usage,
+                    )
+                else:
+                    yield _final(rid, event)
+                    return
+        finally:
+            if req.finished is None:  # the client went away: free its memory
+                self.loop.abort(rid)
+            self.loop.forget(rid)
+
+    async def Abort(self, request: spb.AbortRequest, context: grpc.aio.ServicerContext) -> spb.AbortResponse:
+        return spb.AbortResponse(aborted=self.loop.abort(request.request_id))
+
+    async def GetLoad(self, request: spb.GetLoadRequest, context: grpc.aio.ServicerContext) -> spb.Load:
+        b = self.loop.batcher
+        load = spb.Load(
+            workers=0 if self.loop.link is None else 1, prompt_tokens=self.loop.counters.prompt_tokens
+        )
+        if b is not None:
+            u = b.mem.usage()
+            load.running, load.waiting = len(b.running), len(b.waiting)
+            load.used_slots, load.total_slots, load.evictable_slots = u.used_by_requests, u.size, u.evictable
+            load.cached_tokens = b.cached_tokens
+        return load
+
+
+def _final(rid: str, ev: FinishEvent) -> spb.GenerateResponse:
+    usage = pb.Usage(
+        prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens, cached_tokens=ev.cached_tokens
+    )
+    return spb.GenerateResponse(request_id=rid, finish_reason=_FINISH[ev.reason], usage=usage, error=ev.error)
+
+
+async def _manage_workers(cfg: SchedulerConfig, loop: SchedulerLoop, stop: asyncio.Event) -> None:
+    """Keep one worker attached: a fixed address, or any discovered worker of the model."""
+    discovery = None
+    if cfg.etcd and not cfg.worker:
+        discovery = Discovery(cfg.etcd, "worker")
+        await discovery.start()
+    current = ""
+    try:
+        while not stop.is_set():
+            if discovery is not None:
+                members = {
+                    r.address for r in discovery.members().values() if not cfg.model or r.model == cfg.model
+                }
+                if current and current not in members and loop.link is not None:
+                    await loop.detach(f"worker {current} left discovery")
+                candidates = sorted(members)
+            else:
+                candidates = [cfg.worker]
+            if loop.link is None:
+                current = ""
+                for address in candidates:
+                    link = GrpcWorkerLink(address, interceptors=telemetry.client_interceptors())
+                    try:
+                        await link.connect(timeout_s=5.0)
+                    except WorkerGone as e:
+                        log.info("%s", e)
+                        await link.close()
+                        continue
+                    loop.attach(link)
+                    current = address
+                    break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+    finally:
+        if discovery is not None:
+            await discovery.stop()
+
+
+async def serve(cfg: SchedulerConfig, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
+    telemetry.setup_tracing("scheduler", cfg.trace_exporter, cfg.trace_target)
+    loop = SchedulerLoop(cfg.loop())
+    server = Server(telemetry.server_interceptors())
+    server.add(
+        sgrpc.add_SchedulerServicer_to_server, SchedulerServicer(loop), "strata.scheduler.v1.Scheduler"
+    )
+    port = await server.start(f"{cfg.host}:{cfg.port}")
+    address = f"{cfg.host}:{port}"
+    if cfg.metrics_port >= 0:
+        start_metrics_server(cfg.metrics_port)
+    registration = None
+    if cfg.etcd:
+        record = ServiceRecord("scheduler", cfg.instance_id or f"scheduler-{port}", address, model=cfg.model)
+        registration = Registration(cfg.etcd, record)
+        await registration.start()
+    tasks = [asyncio.create_task(loop.run(stop)), asyncio.create_task(_manage_workers(cfg, loop, stop))]
+    log.info("scheduler serving on %s", address)
+    print(f"READY scheduler {address}", flush=True)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    if registration is not None:
+        await registration.stop()
+    if loop.link is not None:
+        await loop.link.close()
+    await server.stop()
+    telemetry.shutdown_tracing()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="strata serve scheduler")
+    cfgmod.add_arguments(parser, SchedulerConfig)
+    cfg = cfgmod.from_args(SchedulerConfig, parser.parse_args(argv))
+    setup_logging("scheduler", cfg.log_level)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        install_stop_signals(stop)
+        await serve(cfg, stop)
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

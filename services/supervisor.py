@@ -1,0 +1,174 @@
+"""``strata up``: start etcd and the four services as separate processes, health-gated, and stop
+them all cleanly on Ctrl-C or as soon as one of them dies.
+
+Each child is ``python -m services.<name>.server`` with flags; its output goes to
+``<run_dir>/<name>.log`` and it announces readiness with one ``READY <name> <address>`` line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common.etcd_proc import EtcdProcess, free_port
+
+
+class StartError(RuntimeError):
+    """A service did not become ready; the message includes the end of its log."""
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    address: str = ""
+
+    def start(self, env: dict[str, str]) -> None:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child process
+        self.proc = subprocess.Popen(
+            self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        log.close()
+
+    def wait_ready(self, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in self.log_path.read_text(errors="replace").splitlines():
+                if line.startswith(f"READY {self.name} "):
+                    self.address = line.split()[2]
+                    return self.address
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise StartError(f"{self.name} exited with code {self.proc.returncode}:\n{self.tail()}")
+            time.sleep(0.1)
+        raise StartError(f"{self.name} was not ready within {timeout_s:.0f}s:\n{self.tail()}")
+
+    def tail(self, lines: int = 30) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join("    " + t for t in text[-lines:])
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        if not self.alive():
+            return
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@dataclass(slots=True)
+class Stack:
+    """The running services of one ``strata up``."""
+
+    run_dir: Path
+    etcd: EtcdProcess | None = None
+    etcd_endpoint: str = ""
+    children: list[Child] = field(default_factory=list)
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def stop(self) -> None:
+        for c in reversed(self.children):
+            c.stop()
+        if self.etcd is not None:
+            self.etcd.stop()
+
+    def dead(self) -> Child | None:
+        return next((c for c in self.children if not c.alive()), None)
+
+
+def _module(name: str) -> list[str]:
+    return [sys.executable, "-m", f"services.{name}.server"]
+
+
+def start_stack(
+    model: Path,
+    port: int,
+    run_dir: Path,
+    etcd: str = "",
+    worker_args: tuple[str, ...] = (),
+    scheduler_args: tuple[str, ...] = (),
+    common_args: tuple[str, ...] = (),
+    kvstore_args: tuple[str, ...] = (),
+    timeout_s: float = 120.0,
+    say: Callable[[str], None] = print,
+) -> Stack:
+    """Start etcd (unless an endpoint is given) and kvstore, worker, scheduler, tokenizer, each
+    waiting for the previous one to be ready. On any failure everything started is stopped."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stack = Stack(run_dir)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    try:
+        if etcd:
+            stack.etcd_endpoint = etcd
+        else:
+            stack.etcd = EtcdProcess(run_dir / "etcd-data", client_port=free_port(), peer_port=free_port())
+            stack.etcd.start()
+            stack.etcd_endpoint = stack.etcd.endpoint
+        say(f"etcd       {stack.etcd_endpoint}")
+        e = ("--etcd", stack.etcd_endpoint)
+        specs = [
+            ("kvstore", [*_module("kvstore"), *e, *kvstore_args]),
+            ("worker", [*_module("worker"), "--model", str(model), *e, *common_args, *worker_args]),
+            ("scheduler", [*_module("scheduler"), *e, *common_args, *scheduler_args]),
+            (
+                "tokenizer",
+                [*_module("tokenizer"), "--model", str(model), "--port", str(port), *e, *common_args],
+            ),
+        ]
+        for name, argv in specs:
+            child = Child(name, argv, run_dir / f"{name}.log")
+            stack.children.append(child)
+            child.start(env)
+            address = child.wait_ready(timeout_s)
+            say(f"{name:<10} {address}   (log: {child.log_path})")
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+def supervise(stack: Stack, say: Callable[[str], None] = print) -> int:
+    """Block until Ctrl-C / SIGTERM or until a service dies; then stop everything."""
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    code = 0
+    try:
+        while not stopping:
+            dead = stack.dead()
+            if dead is not None:
+                assert dead.proc is not None
+                say(
+                    f"{dead.name} exited with code {dead.proc.returncode}; stopping all services\n{dead.tail()}"
+                )
+                code = 1
+                break
+            time.sleep(0.2)
+    finally:
+        say("stopping services")
+        stack.stop()
+        for s, h in old.items():
+            with contextlib.suppress(ValueError):
+                signal.signal(s, h)
+    return code

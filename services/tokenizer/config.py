@@ -1,0 +1,34 @@
+"""Tokenizer service configuration (frozen; see ``services.common.config``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from services.common.config import ConfigError
+
+
+def _h(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerConfig:
+    model: str = field(default="", metadata=_h("Hugging Face model directory (tokenizer files, config.json)"))
+    model_name: str = field(default="", metadata=_h("served model name; empty = directory name"))
+    host: str = field(default="127.0.0.1", metadata=_h("address to listen on"))
+    port: int = field(default=50051, metadata=_h("public port; 0 picks a free one"))
+    instance_id: str = field(default="", metadata=_h("etcd instance id; empty = tokenizer-<port>"))
+    etcd: str = field(default="", metadata=_h("etcd endpoint host:port; empty = use --scheduler"))
+    scheduler: str = field(default="", metadata=_h("a fixed scheduler address instead of discovery"))
+    scheduler_wait_s: float = field(default=30.0, metadata=_h("how long a request waits for a scheduler"))
+    metrics_port: int = field(default=-1, metadata=_h("Prometheus port; -1 = off, 0 = pick"))
+    trace_exporter: Literal["none", "console", "file", "otlp"] = field(default="none", metadata=_h("spans"))
+    trace_target: str = field(default="", metadata=_h("file path or OTLP endpoint for spans"))
+    log_level: str = field(default="info", metadata=_h("debug, info, warning, error"))
+
+    def validate(self) -> None:
+        if not self.model:
+            raise ConfigError("model: a Hugging Face model directory is required")
+        if not self.etcd and not self.scheduler:
+            raise ConfigError("etcd or scheduler: one is needed to find a scheduler")

@@ -1,0 +1,251 @@
+"""The public ``strata.v1.Strata`` service: tokenize, route to a scheduler, detokenize."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+
+from services.common import config as cfgmod
+from services.common import telemetry, validation
+from services.common.discovery import ModelRegistry, Registration, ServiceRecord
+from services.common.errors import InvalidArgument, StrataError
+from services.common.metrics import start_metrics_server
+from services.common.server import Server, install_stop_signals, setup_logging
+from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.model_files import ModelCard, load_tokenizer, read_card
+from services.tokenizer.router import Router
+from strata.scheduler.v1 import scheduler_pb2 as spb
+from strata.v1 import strata_pb2 as pb
+from strata.v1 import strata_pb2_grpc as pgrpc
+
+log = logging.getLogger(__name__)
+
+ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
+class _Relay(StrataError):
+    """A scheduler's error status, passed on unchanged."""
+
+    def __init__(self, err: grpc.aio.AioRpcError) -> None:
+        super().__init__(err.details() or err.code().name)
+        self.code = err.code()
+
+
+class StrataServicer(pgrpc.StrataServicer):
+    def __init__(self, tokenizer: object, card: ModelCard, router: Router, fingerprint: str = "") -> None:
+        self.tok = tokenizer
+        self.card = card
+        self.router = router
+        self.fingerprint = fingerprint
+        self.limits = validation.Limits(card.vocab_size, card.context_length)
+        self._running: dict[str, str] = {}  # request id -> scheduler address
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _decode(self, ids: list[int] | tuple[int, ...]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)  # type: ignore[attr-defined]
+
+    def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("input")
+        if kind == "text":
+            if not request.text:
+                raise InvalidArgument("input.text: must not be empty")
+            ids = list(self.tok.encode(request.text, add_special_tokens=False))  # type: ignore[attr-defined]
+        elif kind == "messages":
+            msgs = request.messages.messages
+            if not msgs:
+                raise InvalidArgument("input.messages: at least one message is required")
+            for i, m in enumerate(msgs):
+                if m.role not in ROLES:
+                    raise InvalidArgument(
+                        f"input.messages[{i}].role: unknown role {m.role!r}; "
+                        f"use one of {', '.join(sorted(ROLES))}"
+                    )
+            conv = [{"role": m.role, "content": m.content} for m in msgs]
+            out = self.tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)  # type: ignore[attr-defined]
+            ids = list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        elif kind == "input_ids":
+            ids = list(request.input_ids.ids)
+        else:
+            raise InvalidArgument("input: one of text, messages or input_ids is required")
+        validation.check_ids(
+            f"input.{kind}" if kind != "input_ids" else "input.input_ids.ids", ids, self.limits
+        )
+        return ids
+
+    # -- RPCs -----------------------------------------------------------------------------------
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        rid = request.request_id or uuid.uuid4().hex
+        validation.check_request_id(rid)
+        validation.check_cache_salt(request.cache_salt)
+        ids = self._prompt_ids(request)
+        gen = validation.generation(
+            request.sampling, len(ids), self.limits, request.return_logprobs, request.top_logprobs
+        )
+        sreq = spb.GenerateRequest(
+            request_id=rid,
+            input_ids=ids,
+            sampling=request.sampling,
+            cache_salt=request.cache_salt,
+            return_logprobs=request.return_logprobs,
+            top_logprobs=request.top_logprobs,
+        )
+        kind = request.WhichOneof("constraint")
+        if kind:
+            setattr(sreq.constraint, kind, getattr(request, kind))
+        address, stub = await self.router.pick()
+        detok = IncrementalDetokenizer(self._decode, gen.stop, prompt_tail=ids)
+        all_ids: list[int] = []
+        all_text: list[str] = []
+        all_lps: list[pb.TokenLogprob] = []
+        completion = 0
+        call = stub.Generate(sreq)
+        self._running[rid] = address
+        try:
+            async for resp in call:
+                final = pb.GenerateResponse(request_id=rid)
+                if resp.token_ids:
+                    chunk = detok.feed(resp.token_ids)
+                    final.token_ids.extend(resp.token_ids)
+                    final.logprobs.extend(resp.logprobs)
+                    final.text = chunk.text
+                    completion += len(resp.token_ids)
+                    if chunk.stopped:  # a stop string: end here; cancelling frees the scheduler's slots
+                        call.cancel()
+                        final.finish_reason = pb.FINISH_REASON_STOP
+                        final.usage.CopyFrom(
+                            pb.Usage(
+                                prompt_tokens=len(ids),
+                                completion_tokens=completion,
+                                cached_tokens=resp.usage.cached_tokens,
+                            )
+                        )
+                if resp.finish_reason and not detok.stopped:
+                    final.text += detok.flush().text
+                    final.finish_reason = resp.finish_reason
+                    final.usage.CopyFrom(resp.usage)
+                    final.error = resp.error
+                if request.stream:
+                    yield final
+                else:
+                    all_ids += final.token_ids
+                    all_text.append(final.text)
+                    all_lps += final.logprobs
+                if final.finish_reason:
+                    if not request.stream:
+                        yield pb.GenerateResponse(
+                            request_id=rid,
+                            token_ids=all_ids,
+                            text="".join(all_text),
+                            logprobs=all_lps,
+                            finish_reason=final.finish_reason,
+                            usage=final.usage,
+                            error=final.error,
+                        )
+                    return
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.CANCELLED and detok.stopped:
+                return
+            raise _Relay(e) from e
+        finally:
+            self._running.pop(rid, None)
+            call.cancel()
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        return pb.TokenizeResponse(ids=self.tok.encode(request.text, add_special_tokens=False))  # type: ignore[attr-defined]
+
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        ids = list(request.ids)
+        bad = [i for i in ids if i >= self.limits.vocab_size]
+        if bad:
+            raise InvalidArgument(
+                f"ids: {bad[0]} is out of range; ids must be below {self.limits.vocab_size}"
+            )
+        text = self.tok.decode(ids, skip_special_tokens=request.skip_special_tokens)  # type: ignore[attr-defined]
+        return pb.DetokenizeResponse(text=text)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        address = self._running.get(request.request_id)
+        if address is None:
+            return pb.AbortResponse(aborted=False)
+        resp = await self.router.stub(address).Abort(spb.AbortRequest(request_id=request.request_id))
+        return pb.AbortResponse(aborted=resp.aborted)
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        c = self.card
+        return pb.ModelInfo(
+            name=c.name,
+            architecture=c.architecture,
+            vocab_size=c.vocab_size,
+            context_length=c.context_length,
+            eos_token_ids=c.eos_token_ids,
+            fingerprint=self.fingerprint,
+            hybrid=c.hybrid,
+        )
+
+
+async def serve(cfg: TokenizerConfig, stop: asyncio.Event) -> None:
+    telemetry.setup_tracing("tokenizer", cfg.trace_exporter, cfg.trace_target)
+    model_dir = Path(cfg.model)
+    card = read_card(model_dir, cfg.model_name)
+    tok = await asyncio.to_thread(load_tokenizer, model_dir)
+    fingerprint = ""
+    if cfg.etcd:
+        async with ModelRegistry(cfg.etcd) as models:
+            rec = await models.get(card.name)
+            fingerprint = rec.fingerprint if rec is not None else ""
+    router = Router(cfg.scheduler, cfg.etcd, card.name, cfg.scheduler_wait_s)
+    await router.start()
+    server = Server(telemetry.server_interceptors())
+    server.add(
+        pgrpc.add_StrataServicer_to_server, StrataServicer(tok, card, router, fingerprint), "strata.v1.Strata"
+    )
+    port = await server.start(f"{cfg.host}:{cfg.port}")
+    address = f"{cfg.host}:{port}"
+    if cfg.metrics_port >= 0:
+        start_metrics_server(cfg.metrics_port)
+    registration = None
+    if cfg.etcd:
+        record = ServiceRecord("tokenizer", cfg.instance_id or f"tokenizer-{port}", address, card.name)
+        registration = Registration(cfg.etcd, record)
+        await registration.start()
+    log.info("tokenizer serving strata.v1.Strata on %s", address)
+    print(f"READY tokenizer {address}", flush=True)
+    await stop.wait()
+    if registration is not None:
+        await registration.stop()
+    await server.stop()
+    await router.close()
+    telemetry.shutdown_tracing()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="strata serve tokenizer")
+    cfgmod.add_arguments(parser, TokenizerConfig)
+    cfg = cfgmod.from_args(TokenizerConfig, parser.parse_args(argv))
+    setup_logging("tokenizer", cfg.log_level)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        install_stop_signals(stop)
+        await serve(cfg, stop)
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""Worker configuration (frozen; see ``services.common.config``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from services.common.config import ConfigError
+
+
+def _h(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    model: str = field(default="", metadata=_h("Hugging Face model directory (config.json, safetensors)"))
+    model_name: str = field(default="", metadata=_h("name to serve it under; empty = directory name"))
+    host: str = field(default="127.0.0.1", metadata=_h("address to listen on"))
+    port: int = field(default=0, metadata=_h("port to listen on; 0 picks a free one"))
+    instance_id: str = field(default="", metadata=_h("etcd instance id; empty = worker-<port>"))
+    etcd: str = field(default="", metadata=_h("etcd endpoint host:port; empty = no registration"))
+    device: str = field(default="cpu", metadata=_h("cpu or cuda:N"))
+    dtype: Literal["float32", "bfloat16", "float16"] = field(default="float32", metadata=_h("weights and KV"))
+    kv_cache_bytes: int = field(default=64 * 1024 * 1024, metadata=_h("bytes for the KV pool"))
+    max_rows: int = field(default=256, metadata=_h("requests the worker holds at once"))
+    max_context: int = field(default=0, metadata=_h("tokens per request; 0 = the model's context length"))
+    mamba_slots: int = field(default=0, metadata=_h("Mamba state slots (hybrid models); 0 = derive"))
+    page_size: int = field(default=1, metadata=_h("tokens per KV page"))
+    metrics_port: int = field(default=-1, metadata=_h("Prometheus port; -1 = off, 0 = pick"))
+    trace_exporter: Literal["none", "console", "file", "otlp"] = field(default="none", metadata=_h("spans"))
+    trace_target: str = field(default="", metadata=_h("file path or OTLP endpoint for spans"))
+    lease_ttl_s: float = field(default=5.0, metadata=_h("etcd lease TTL"))
+    log_level: str = field(default="info", metadata=_h("debug, info, warning, error"))
+
+    def validate(self) -> None:
+        if not self.model:
+            raise ConfigError("model: a Hugging Face model directory is required")
+        if self.kv_cache_bytes <= 0:
+            raise ConfigError("kv_cache_bytes: must be > 0")
+        if self.max_rows < 1:
+            raise ConfigError("max_rows: must be >= 1")
+        if self.page_size < 1:
+            raise ConfigError("page_size: must be >= 1")

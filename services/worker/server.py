@@ -1,0 +1,130 @@
+"""The worker's gRPC servicer (a thin adapter over ``Engine``) and its process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+
+from services.common import config as cfgmod
+from services.common import step_codec, telemetry
+from services.common.discovery import ModelRegistry, Registration, ServiceRecord
+from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.metrics import start_metrics_server
+from services.common.server import Server, install_stop_signals, setup_logging
+from services.common.step import StepRequest
+from services.worker.config import WorkerConfig
+from services.worker.engine import Engine, EngineConfig
+from strata.worker.v1 import worker_pb2 as wpb
+from strata.worker.v1 import worker_pb2_grpc as wgrpc
+
+log = logging.getLogger(__name__)
+
+
+class WorkerServicer(wgrpc.WorkerServicer):
+    """Executes steps in order on the engine, one stream (one scheduler) at a time."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._busy = False
+        self._tracer = telemetry.get_tracer("strata.worker")
+
+    async def GetInfo(self, request: wpb.GetInfoRequest, context: grpc.aio.ServicerContext) -> wpb.WorkerInfo:
+        return step_codec.info_to_pb(self.engine.info)
+
+    async def Step(
+        self, request_iterator: AsyncIterator[wpb.StepRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[wpb.StepResult]:
+        if self._busy:
+            raise FailedPrecondition("this worker already serves a scheduler's step stream")
+        self._busy = True
+        try:
+            async for msg in request_iterator:
+                try:
+                    step = step_codec.step_from_pb(msg)
+                except ValueError as e:
+                    raise InvalidArgument(f"step {msg.step_id}: {e}") from e
+                self._trace_new_requests(step)
+                result = await asyncio.to_thread(self.engine.step, step)
+                yield step_codec.result_to_pb(result)
+        finally:
+            self._busy = False
+
+    def _trace_new_requests(self, step: StepRequest) -> None:
+        """One span per request on its first step, in the request's own trace."""
+        for r in step.reqs:
+            if r.trace_context:
+                ctx = telemetry.extract_context(r.trace_context)
+                with self._tracer.start_as_current_span("worker.admit", context=ctx) as span:
+                    span.set_attribute("strata.request_id", r.request_id)
+                    span.set_attribute("strata.prompt_tokens", r.start_pos + len(r.input_ids))
+                    span.set_attribute("strata.cached_tokens", len(r.prefix_slots))
+
+
+def engine_config(cfg: WorkerConfig) -> EngineConfig:
+    return EngineConfig(
+        device=cfg.device,
+        dtype=cfg.dtype,
+        kv_cache_bytes=cfg.kv_cache_bytes,
+        max_rows=cfg.max_rows,
+        max_context=cfg.max_context or None,
+        mamba_slots=cfg.mamba_slots,
+        page_size=cfg.page_size,
+    )
+
+
+async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
+    telemetry.setup_tracing("worker", cfg.trace_exporter, cfg.trace_target)
+    engine = await asyncio.to_thread(Engine, Path(cfg.model), engine_config(cfg))
+    info = engine.info
+    name = cfg.model_name or info.model
+    if cfg.etcd:
+        async with ModelRegistry(cfg.etcd) as models:  # refuses a different model under this name
+            await models.claim(name, info.fingerprint, {"architecture": info.architecture})
+    server = Server(telemetry.server_interceptors())
+    server.add(wgrpc.add_WorkerServicer_to_server, WorkerServicer(engine), "strata.worker.v1.Worker")
+    port = await server.start(f"{cfg.host}:{cfg.port}")
+    address = f"{cfg.host}:{port}"
+    if cfg.metrics_port >= 0:
+        start_metrics_server(cfg.metrics_port)
+    registration = None
+    if cfg.etcd:
+        capacity = {
+            "num_slots": info.num_slots,
+            "num_rows": info.num_rows,
+            "mamba_slots": info.num_mamba_slots,
+        }
+        record = ServiceRecord(
+            "worker", cfg.instance_id or f"worker-{port}", address, name, "rank0", capacity
+        )
+        registration = Registration(cfg.etcd, record, ttl_s=cfg.lease_ttl_s)
+        await registration.start()
+    log.info("worker serving %s on %s (%d slots, %d rows)", name, address, info.num_slots, info.num_rows)
+    print(f"READY worker {address}", flush=True)
+    await stop.wait()
+    if registration is not None:
+        await registration.stop()
+    await server.stop()
+    telemetry.shutdown_tracing()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="strata serve worker")
+    cfgmod.add_arguments(parser, WorkerConfig)
+    cfg = cfgmod.from_args(WorkerConfig, parser.parse_args(argv))
+    setup_logging("worker", cfg.log_level)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        install_stop_signals(stop)
+        await serve(cfg, stop)
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()
