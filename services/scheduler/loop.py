@@ -21,7 +21,7 @@ from services.common.step import WorkerInfo
 from services.common.validation import Limits
 from services.scheduler.batcher import Batcher, BatchLimits
 from services.scheduler.memory import KVMemory
-from services.scheduler.request import Req
+from services.scheduler.request import Finish, FinishEvent, Req
 from services.scheduler.worker_link import WorkerGone, WorkerLink
 
 log = logging.getLogger(__name__)
@@ -138,6 +138,16 @@ class SchedulerLoop:
     def forget(self, rid: str) -> None:
         self.requests.pop(rid, None)
 
+    async def _fail_step(self, reqs: list[Req], error: str) -> None:
+        """End ``reqs`` with ERROR and rebuild the worker's state from scratch (its pools may
+        hold half a step), requeueing the other requests."""
+        for req in reqs:
+            if req.finished is None:
+                req.finished = Finish.ERROR
+                req.emit(FinishEvent(Finish.ERROR, len(req.prompt), len(req.output), req.cached_tokens, error))
+        await self.detach(error)
+        self._orphans = [r for r in self._orphans if r.finished is None]
+
     # -- the loop -------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -156,14 +166,19 @@ class SchedulerLoop:
             try:
                 await link.send(plan.step)
                 result = await link.recv()
+                batcher.commit(plan, [(o.token_id, o.logprob) for o in result.outputs])
             except WorkerGone as e:
                 log.warning("%s", e)
                 await self.detach(str(e))
                 continue
+            except Exception as e:
+                # A bug, not a lost worker: fail the requests of this step loudly, start clean.
+                log.exception("step %d failed", plan.step.step_id)
+                await self._fail_step(plan.reqs, f"internal error in step {plan.step.step_id}: {e!r}")
+                continue
             self.counters.busy_s += time.perf_counter() - t0
             self.counters.steps += 1
             self.counters.generated_tokens += len(result.outputs)
-            batcher.commit(plan, [(o.token_id, o.logprob) for o in result.outputs])
             # Let servicers stream what was just produced before planning the next step.
             await asyncio.sleep(0)
 

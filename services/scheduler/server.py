@@ -152,7 +152,7 @@ async def _manage_workers(cfg: SchedulerConfig, loop: SchedulerLoop, stop: async
 
 
 async def serve(cfg: SchedulerConfig, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
-    telemetry.setup_tracing("scheduler", cfg.trace_exporter, cfg.trace_target)
+    telemetry.setup_tracing("scheduler", cfg.trace_exporter, cfg.trace_target.replace("{service}", "scheduler"))
     loop = SchedulerLoop(cfg.loop())
     server = Server(telemetry.server_interceptors())
     server.add(

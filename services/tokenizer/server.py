@@ -199,7 +199,7 @@ class StrataServicer(pgrpc.StrataServicer):
 
 
 async def serve(cfg: TokenizerConfig, stop: asyncio.Event) -> None:
-    telemetry.setup_tracing("tokenizer", cfg.trace_exporter, cfg.trace_target)
+    telemetry.setup_tracing("tokenizer", cfg.trace_exporter, cfg.trace_target.replace("{service}", "tokenizer"))
     model_dir = Path(cfg.model)
     card = read_card(model_dir, cfg.model_name)
     tok = await asyncio.to_thread(load_tokenizer, model_dir)

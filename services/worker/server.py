@@ -78,7 +78,7 @@ def engine_config(cfg: WorkerConfig) -> EngineConfig:
 
 
 async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
-    telemetry.setup_tracing("worker", cfg.trace_exporter, cfg.trace_target)
+    telemetry.setup_tracing("worker", cfg.trace_exporter, cfg.trace_target.replace("{service}", "worker"))
     engine = await asyncio.to_thread(Engine, Path(cfg.model), engine_config(cfg))
     info = engine.info
     name = cfg.model_name or info.model

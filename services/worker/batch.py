@@ -1,0 +1,156 @@
+"""What a model forward sees: the flattened batch (``ForwardBatch``) and the pools (``ForwardContext``).
+
+The engine builds one ``ForwardBatch`` per step from the step's ``ReqInput``s after validating
+them, and hands it with a ``ForwardContext`` to ``model.forward(batch, ctx)``. Every model
+(Qwen3, Qwen3-Next, ...) reads only these two objects, so they are the stable interface between
+the engine and the model code.
+
+Layout of one batch of B requests with T new tokens in total (request order = step order)::
+
+    tokens     |<- req 0: extend_lens[0] ->|<- req 1 ->| ... |<- req B-1 ->|
+    cu_seqlens  0                           e0          e0+e1 ...            T
+    positions   start_pos[0] ... start_pos[0]+e0-1 | start_pos[1] ... | ...
+
+Token ``j`` of request ``b`` sits at position ``start_pos[b] + j``; its KV goes to slot
+``out_slots[cu_seqlens[b] + j]`` and it attends causally to ``req_to_token[rows[b], 0 : start_pos[b]
++ j + 1]`` (the engine writes ``out_slots`` into that row before the forward, so the row covers the
+cached prefix and the new tokens alike). A decode is simply a request with ``extend_len == 1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from services.worker.mamba_pool import MambaPool
+    from services.worker.pools import KVPool
+
+
+@dataclass(frozen=True, slots=True)
+class BatchEntry:
+    """One request's share of a forward, as the engine resolved it (token ids already known)."""
+
+    row: int
+    start_pos: int
+    input_ids: list[int]
+    out_slots: list[int]
+    mamba_slot: int | None = None
+    want_logits: bool = True  # logits for the last new token of this request
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardBatch:
+    """The flattened inputs of one forward. All tensors live on the model's device.
+
+    Per token ``[T]``: ``input_ids``, ``positions``, ``out_slots`` (int64).
+    Per request ``[B]``: ``rows``, ``start_pos``, ``extend_lens``, ``seq_lens`` (= start_pos +
+    extend_lens), ``mamba_slots`` (int64; ``None`` for a model without Mamba state).
+    ``cu_seqlens`` ``[B + 1]``: token offsets of each request in the flat token axis.
+    ``logit_index`` ``[N]``: flat token indices whose logits the model returns, in order.
+
+    Python copies of the per-request lengths (``*_list``) are kept so that host-side loops (the
+    torch references, chunk splitting in linear attention) need no device synchronisation.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_slots: torch.Tensor
+    rows: torch.Tensor
+    start_pos: torch.Tensor
+    extend_lens: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens: torch.Tensor
+    logit_index: torch.Tensor
+    mamba_slots: torch.Tensor | None
+    start_pos_list: list[int]
+    extend_lens_list: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens_list)
+
+    @property
+    def is_decode(self) -> bool:
+        """True when every request contributes exactly one token (a pure decode batch)."""
+        return all(n == 1 for n in self.extend_lens_list)
+
+    @classmethod
+    def build(
+        cls, entries: list[BatchEntry], device: torch.device, all_logits: bool = False
+    ) -> ForwardBatch:
+        """Flatten ``entries`` (non-empty, each with >= 1 token, validated by the caller).
+
+        ``all_logits`` asks for the logits of every new token (exactness tests); otherwise only
+        the last token of each entry with ``want_logits`` gets logits.
+        """
+        if not entries:
+            raise ValueError("ForwardBatch.build needs at least one entry")
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        logit_index: list[int] = []
+        for e in entries:
+            n = len(e.input_ids)
+            if n == 0 or len(e.out_slots) != n:
+                raise ValueError(
+                    f"entry for row {e.row}: {n} input ids and {len(e.out_slots)} out slots "
+                    "(need equal counts, at least one)"
+                )
+            ids.extend(e.input_ids)
+            positions.extend(range(e.start_pos, e.start_pos + n))
+            slots.extend(e.out_slots)
+            if all_logits:
+                logit_index.extend(range(cu[-1], cu[-1] + n))
+            elif e.want_logits:
+                logit_index.append(cu[-1] + n - 1)
+            cu.append(cu[-1] + n)
+
+        def t(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        start = [e.start_pos for e in entries]
+        lens = [len(e.input_ids) for e in entries]
+        has_mamba = [e.mamba_slot is not None for e in entries]
+        if any(has_mamba) and not all(has_mamba):
+            raise ValueError("either every entry of a batch has a mamba_slot or none has")
+        mamba = t([e.mamba_slot for e in entries if e.mamba_slot is not None]) if all(has_mamba) else None
+        return cls(
+            input_ids=t(ids),
+            positions=t(positions),
+            out_slots=t(slots),
+            rows=t([e.row for e in entries]),
+            start_pos=t(start),
+            extend_lens=t(lens),
+            seq_lens=t([s + n for s, n in zip(start, lens, strict=True)]),
+            cu_seqlens=t(cu),
+            logit_index=t(logit_index),
+            mamba_slots=mamba,
+            start_pos_list=start,
+            extend_lens_list=lens,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardContext:
+    """The device state a forward reads and writes.
+
+    ``kv``: per full-attention layer K/V buffers; a model numbers its full-attention layers
+    0, 1, ... in order and uses that number as the pool layer index.
+    ``req_to_token``: ``[num_rows, max_context]`` int64 slot table (already holds this step's
+    prefix and new slots for every row in the batch).
+    ``mamba``: the Mamba state pool for hybrid models (``None`` for dense models); linear-
+    attention layers read and update ``mamba.conv[i][slot]`` / ``mamba.ssm[i][slot]`` in place
+    for ``slot`` in ``batch.mamba_slots``.
+    """
+
+    kv: KVPool
+    req_to_token: torch.Tensor
+    mamba: MambaPool | None = None

@@ -1,0 +1,279 @@
+"""The worker's model engine: one ``StepRequest`` in, one ``StepResult`` out.
+
+A step runs in four stages, and nothing is mutated until the first one has passed:
+
+1. **validate** every op and request (``StepError`` naming the request and field otherwise);
+2. **ops** in order: ``MambaCopy``, ``MambaReset``, ``ReleaseRow``;
+3. **forward** over all requests at once (prefill chunks with or without a cached prefix and
+   decodes mixed): ``prefix_slots`` and ``new_slots`` are written into each request's row of
+   ``req_to_token``, then the model stores the new KV and returns logits;
+4. **sample** one token for each request with ``sample=True``.
+
+Per-row state kept between steps (dropped by ``ReleaseRow``): the last sampled token (the input
+of a ``use_last_sample`` decode in overlap scheduling), how many positions the row holds, and the
+token history for penalties (``history_ids`` from the row's first step, plus every token sampled
+for the row; it must therefore list the whole prompt and prior output).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, cast
+
+import torch
+
+from services.common.step import (
+    MambaCopy,
+    MambaReset,
+    ReleaseRow,
+    ReqInput,
+    ReqOutput,
+    StepError,
+    StepRequest,
+    StepResult,
+)
+from services.worker.batch import BatchEntry, ForwardBatch, ForwardContext
+from services.worker.loader import fingerprint, load_model
+from services.worker.models.registry import CausalLM
+from services.worker.pools import KVPool, ReqToTokenTable
+from services.worker.sampler import MAX_TOP_LOGPROBS, SamplerInput, sample
+from services.worker.step_check import check_step
+
+DType = Literal["float32", "bfloat16", "float16"]
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+# Peak Mamba states one row can pin at once: its own running state, the locked cached state it
+# matched, and the copy it donates to the tree when it checkpoints (see DESIGN §3).
+MAMBA_SLOTS_PER_ROW = 3
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Worker engine settings, validated at construction.
+
+    ``max_context`` ``None`` = the model's ``max_position_embeddings``; ``mamba_slots`` 0 =
+    ``MAMBA_SLOTS_PER_ROW * max_rows`` (ignored for dense models).
+    """
+
+    device: str = "cpu"
+    dtype: DType = "float32"
+    kv_cache_bytes: int = 256 << 20
+    max_rows: int = 64
+    max_context: int | None = None
+    mamba_slots: int = 0
+    page_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        for name in ("kv_cache_bytes", "max_rows", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_context is not None and self.max_context < 1:
+            raise ValueError(f"EngineConfig.max_context must be >= 1 or None, got {self.max_context}")
+        if self.mamba_slots < 0:
+            raise ValueError(f"EngineConfig.mamba_slots must be >= 0, got {self.mamba_slots}")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """Mirrors ``strata.worker.v1.WorkerInfo``."""
+
+    model: str
+    architecture: str
+    fingerprint: str
+    vocab_size: int
+    context_length: int
+    eos_token_ids: tuple[int, ...]
+    num_slots: int
+    bytes_per_slot: int
+    page_size: int
+    num_rows: int
+    num_mamba_slots: int
+    bytes_per_mamba_slot: int
+    dtype: str
+    hybrid: bool
+    device: str
+
+
+class Engine:
+    """Owns the weights and the device pools; executes steps. Not thread-safe (one step at a time)."""
+
+    def __init__(self, model_dir: Path | str, cfg: EngineConfig | None = None) -> None:
+        cfg = cfg or EngineConfig()
+        model_dir = Path(model_dir)
+        device = torch.device(cfg.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        dtype = _DTYPES[cfg.dtype]
+        loaded = load_model(model_dir, dtype=dtype, device=str(device))
+        model = cast(CausalLM, loaded.model)
+        context = cfg.max_context or int(loaded.hf_config["max_position_embeddings"])
+        self.cfg = cfg
+        self.device = device
+        self.model = model
+        self.kv = KVPool.from_budget(
+            cfg.kv_cache_bytes, model.num_kv_layers, model.num_kv_heads, model.head_dim, dtype, device,
+            cfg.page_size,
+        )
+        self.req_to_token = ReqToTokenTable(cfg.max_rows, context, device)
+        self.mamba = None
+        spec = getattr(model, "mamba_spec", None)
+        if spec is not None:
+            from services.worker.mamba_pool import MambaPool  # only hybrid models need it
+
+            self.mamba = MambaPool(cfg.mamba_slots or MAMBA_SLOTS_PER_ROW * cfg.max_rows, spec, device)
+        self.info = WorkerInfo(
+            model=model_dir.resolve().name,
+            architecture=loaded.architecture,
+            fingerprint=fingerprint(model_dir),
+            vocab_size=model.vocab_size,
+            context_length=context,
+            eos_token_ids=loaded.eos_token_ids,
+            num_slots=self.kv.num_slots,
+            bytes_per_slot=self.kv.bytes_per_slot,
+            page_size=cfg.page_size,
+            num_rows=cfg.max_rows,
+            num_mamba_slots=self.mamba.num_slots if self.mamba else 0,
+            bytes_per_mamba_slot=self.mamba.bytes_per_slot if self.mamba else 0,
+            dtype=cfg.dtype,
+            hybrid=self.mamba is not None,
+            device=str(device),
+        )
+        self._ctx = ForwardContext(self.kv, self.req_to_token.table, self.mamba)
+        self._last_sample: dict[int, int] = {}
+        self._row_len: dict[int, int] = {}
+        self._history: dict[int, list[int]] = {}
+        self._last_end: float | None = None
+
+    # -- public ----------------------------------------------------------------------------------
+
+    def step(self, req: StepRequest) -> StepResult:
+        """Validate, run ops, forward and sample. ``StepError`` leaves every pool untouched."""
+        start = time.perf_counter()
+        idle = 0.0 if self._last_end is None else start - self._last_end
+        try:
+            with torch.inference_mode():
+                result = self._step(req)
+        finally:
+            self._last_end = time.perf_counter()
+        result.idle_s = idle
+        return result
+
+    def forward_logits(self, req: StepRequest) -> torch.Tensor:
+        """Like ``step`` without sampling: fp32 logits ``[T, vocab]`` for every new token, in order.
+
+        KV and Mamba state are written exactly as ``step`` would (so later steps can reuse them).
+        """
+        with torch.inference_mode():
+            self._validate(req)
+            self._run_ops(req)
+            if not req.reqs:
+                return torch.empty((0, self.info.vocab_size), dtype=torch.float32, device=self.device)
+            return self._forward(req.reqs, all_logits=True).float()
+
+    # -- stages ----------------------------------------------------------------------------------
+
+    def _step(self, req: StepRequest) -> StepResult:
+        masks = self._validate(req)
+        self._run_ops(req)
+        result = StepResult(step_id=req.step_id, ops_done=len(req.ops))
+        if not req.reqs:
+            return result
+        t0 = time.perf_counter()
+        logits = self._forward(req.reqs, all_logits=False)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # so forward_s measures the forward, not the launch
+        t1 = time.perf_counter()
+        result.outputs = self._sample(req.reqs, masks, logits.float())
+        result.forward_s, result.sample_s = t1 - t0, time.perf_counter() - t1
+        return result
+
+    def _validate(self, req: StepRequest) -> list[torch.Tensor | None]:
+        """All checks of ``check_step``; returns the decoded bitmask of each request."""
+        try:
+            return check_step(
+                req,
+                num_rows=self.req_to_token.num_rows,
+                num_slots=self.kv.num_slots,
+                num_mamba_slots=self.mamba.num_slots if self.mamba else 0,
+                max_context=self.req_to_token.max_context,
+                vocab_size=self.info.vocab_size,
+                max_top_logprobs=MAX_TOP_LOGPROBS,
+                rows_with_sample=set(self._last_sample),
+                row_len=self._row_len,
+            )
+        except StepError:
+            raise
+        except ValueError as e:  # a check helper raising plain ValueError is still the client's fault
+            raise StepError(str(e)) from e
+
+    def _run_ops(self, req: StepRequest) -> None:
+        for op in req.ops:
+            if isinstance(op, MambaCopy):
+                assert self.mamba is not None  # validated
+                self.mamba.copy(op.src, op.dst)
+            elif isinstance(op, MambaReset):
+                assert self.mamba is not None
+                self.mamba.reset(op.slot)
+            elif isinstance(op, ReleaseRow):
+                self.req_to_token.release(op.row)
+                self._last_sample.pop(op.row, None)
+                self._row_len.pop(op.row, None)
+                self._history.pop(op.row, None)
+
+    def _forward(self, reqs: list[ReqInput], all_logits: bool) -> torch.Tensor:
+        entries: list[BatchEntry] = []
+        for r in reqs:
+            ids = [self._last_sample[r.row]] if r.use_last_sample else list(r.input_ids)
+            if r.prefix_slots:
+                self.req_to_token.write(r.row, 0, torch.tensor(r.prefix_slots, dtype=torch.int64))
+            self.req_to_token.write(r.row, r.start_pos, torch.tensor(r.new_slots, dtype=torch.int64))
+            self._row_len[r.row] = r.start_pos + len(ids)
+            if r.history_ids:
+                self._history[r.row] = list(r.history_ids)
+            entries.append(BatchEntry(r.row, r.start_pos, ids, list(r.new_slots), r.mamba_slot, r.sample))
+        batch = ForwardBatch.build(entries, self.device, all_logits=all_logits)
+        return self.model.forward(batch, self._ctx)
+
+    def _sample(
+        self, reqs: list[ReqInput], masks: list[torch.Tensor | None], logits: torch.Tensor
+    ) -> list[ReqOutput]:
+        chosen = [i for i, r in enumerate(reqs) if r.sample]
+        inputs = []
+        for i in chosen:
+            r = reqs[i]
+            penal = r.sampling.has_penalties
+            inputs.append(
+                SamplerInput(
+                    params=r.sampling,
+                    seed=r.seed,
+                    output_index=r.output_index,
+                    history=self._history.setdefault(r.row, []) if penal else None,
+                    bitmask=_to(masks[i], self.device),
+                    return_logprobs=r.return_logprobs,
+                    top_logprobs=r.top_logprobs,
+                )
+            )
+        try:
+            picks = sample(logits, inputs)
+        except ValueError as e:
+            raise StepError(f"sampling failed: {e}") from e
+        outputs = []
+        for i, pick in zip(chosen, picks, strict=True):
+            r = reqs[i]
+            self._last_sample[r.row] = pick.token_id
+            if r.row in self._history:
+                self._history[r.row].append(pick.token_id)
+            logprob = pick if r.return_logprobs else None
+            outputs.append(ReqOutput(r.request_id, r.row, pick.token_id, logprob))
+        return outputs
+
+
+def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)

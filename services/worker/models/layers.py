@@ -1,0 +1,116 @@
+"""Building blocks shared by the models: RMSNorm, rotary embedding, SwiGLU MLP, slot attention.
+
+All blocks work on the flat token axis of a ``ForwardBatch`` (``[T, ...]``, no batch dimension)
+and are written so that a module built on the ``meta`` device holds no derived values: anything
+computed from the config (rotary frequencies) is made on first use, on the input's device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.attention import decode_attention, extend_attention
+from kernels.kv_store import store_kv
+from services.worker.batch import ForwardBatch, ForwardContext
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dimension, computed in fp32.
+
+    ``unit_offset=False`` (Qwen3, Llama): ``weight * norm(x).to(x.dtype)``.
+    ``unit_offset=True`` (Qwen3-Next): ``(norm(x) * (1 + weight)).to(x.dtype)`` — the weight is
+    stored centred on zero and the scaling happens before the cast back.
+    """
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+class RotaryEmbedding:
+    """Rotary position embedding (the "rotate half" layout) on the first ``rotary_dim`` dims.
+
+    ``rotary_dim < head_dim`` is partial rotary (Qwen3-Next rotates a quarter of each head): the
+    remaining dims pass through unchanged. Frequencies are computed in fp32 exactly as the
+    reference does, so cos/sin match it bit for bit.
+    """
+
+    __slots__ = ("_inv_freq", "head_dim", "rotary_dim", "theta")
+
+    def __init__(self, head_dim: int, rotary_dim: int, theta: float) -> None:
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"rotary_dim must be even and in (0, head_dim={head_dim}], got {rotary_dim}")
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        self.theta = theta
+        self._inv_freq: torch.Tensor | None = None
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` of shape ``[T, rotary_dim // 2]`` (fp32) for int64 ``positions [T]``."""
+        inv = self._inv_freq
+        if inv is None or inv.device != positions.device:
+            exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32) / self.rotary_dim
+            inv = (1.0 / (self.theta**exponents)).to(positions.device)
+            self._inv_freq = inv
+        freqs = positions.float()[:, None] * inv[None, :]
+        return freqs.cos(), freqs.sin()
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [T, H, head_dim]`` by the per-token angles (``cos``/``sin`` from ``cos_sin``)."""
+        half = self.rotary_dim // 2
+        c = cos[:, None, :].to(x.dtype)
+        s = sin[:, None, :].to(x.dtype)
+        x1 = x[..., :half]
+        x2 = x[..., half : self.rotary_dim]
+        rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        if self.rotary_dim == self.head_dim:
+            return rotated
+        return torch.cat((rotated, x[..., self.rotary_dim :]), dim=-1)
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with the Hugging Face parameter names."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def slot_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_layer: int,
+    batch: ForwardBatch,
+    ctx: ForwardContext,
+    scale: float,
+) -> torch.Tensor:
+    """Store this batch's ``k, v [T, Hkv, D]`` at ``batch.out_slots`` and attend ``q [T, Hq, D]``.
+
+    Each token attends causally to its request's row of ``ctx.req_to_token`` (cached prefix plus
+    the batch's own new tokens, which are stored first). Returns ``[T, Hq, D]``. A pure decode
+    batch takes the decode kernel; anything else (prefill chunks, mixed batches) the extend one.
+    """
+    k_cache, v_cache = ctx.kv.layer(kv_layer)
+    store_kv(k_cache, v_cache, batch.out_slots, k.contiguous(), v.contiguous())
+    if batch.is_decode:
+        return decode_attention(q, k_cache, v_cache, ctx.req_to_token, batch.rows, batch.seq_lens, scale)
+    return extend_attention(
+        q, k_cache, v_cache, ctx.req_to_token, batch.rows, batch.start_pos, batch.extend_lens, scale
+    )

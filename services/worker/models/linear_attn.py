@@ -1,0 +1,170 @@
+"""Qwen3-Next's gated DeltaNet (linear attention) over Mamba-pool slots.
+
+A linear-attention layer carries two pieces of per-request state between forwards, both kept
+in the Mamba pool at the request's slot:
+
+* ``conv``: the last ``kernel - 1`` inputs of the depthwise causal convolution, ``[C, K-1]``;
+* ``ssm``: the gated-delta-rule matrix ``S``, ``[Hv, Dk, Dv]`` (fp32).
+
+Per token ``t`` and value head ``h`` (``q``/``k`` L2-normalised, ``q`` scaled by ``Dk**-0.5``)::
+
+    S <- exp(g_t) * S
+    S <- S + k_t (beta_t * (v_t - k_t^T S))^T      # the delta rule: write only the correction
+    o_t = q_t^T S
+
+An extend chunk continues from the stored state and leaves the state after its last token, so
+any split of a prompt into chunks (and decode after it) computes exactly what one-shot prefill
+computes. Parameter names match the Hugging Face checkpoint (``linear_attn.*``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.conv1d import causal_conv1d_extend, causal_conv1d_update
+from kernels.gated_delta import gated_delta_step
+from services.worker.models.delta_chunked import gated_delta_extend_chunked
+
+
+@dataclass(frozen=True, slots=True)
+class StateSpans:
+    """Where each request's new tokens lie in the flat batch, and the Mamba slot it owns.
+
+    Request ``i`` owns tokens ``cu_seqlens[i]:cu_seqlens[i + 1]`` and slot ``slots[i]``; slots
+    are distinct within a batch (two requests never write one state).
+    """
+
+    cu_seqlens: tuple[int, ...]
+    slots: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.cu_seqlens) != len(self.slots) + 1:
+            raise ValueError(f"{len(self.slots)} slots need {len(self.slots) + 1} cu_seqlens, got {len(self.cu_seqlens)}")
+        if len(set(self.slots)) != len(self.slots):
+            raise ValueError(f"Mamba slots repeat within one batch: {self.slots}")
+
+    def decode_and_extend(self) -> tuple[list[int], list[int]]:
+        """Indices of requests with exactly one new token, and of the others."""
+        lens = [b - a for a, b in zip(self.cu_seqlens, self.cu_seqlens[1:], strict=False)]
+        return [i for i, n in enumerate(lens) if n == 1], [i for i, n in enumerate(lens) if n > 1]
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over the head dim, scaled by ``weight`` (not zero-centred), then gated by silu(z)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return (h * F.silu(gate.float())).to(dtype)
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    # Same formula as the reference (rsqrt of sum + eps), so logits match within 1e-4.
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    """One linear-attention token mixer; ``forward`` reads and updates Mamba slots in place."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel: int,
+        eps: float,
+    ) -> None:
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"linear_num_value_heads={num_v_heads} must be a multiple of linear_num_key_heads={num_k_heads}")
+        self.hk, self.hv, self.dk, self.dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+        self.kernel = conv_kernel
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
+        # nn.Conv1d only to keep the checkpoint's parameter name and [C, 1, K] shape.
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        self.norm = GatedRMSNorm(head_v_dim, eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        return (self.conv_dim, self.kernel - 1)
+
+    @property
+    def ssm_state_shape(self) -> tuple[int, int, int]:
+        return (self.hv, self.dk, self.dv)
+
+    def _split_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Undo the checkpoint's per-key-head grouping of ``in_proj_qkvz`` / ``in_proj_ba``.
+
+        The projections are laid out key-head by key-head, ``[q | k | v (r heads) | z (r heads)]``
+        and ``[b (r) | a (r)]`` with ``r = Hv / Hk``; returns the conv input ``[T, C]`` (q, k, v
+        flattened in that order), ``z [T, Hv, Dv]``, ``b`` and ``a`` ``[T, Hv]``.
+        """
+        t, r = x.shape[0], self.hv // self.hk
+        qkvz = self.in_proj_qkvz(x).view(t, self.hk, 2 * self.dk + 2 * r * self.dv)
+        q, k, v, z = torch.split(qkvz, [self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
+        b, a = torch.split(self.in_proj_ba(x).view(t, self.hk, 2 * r), [r, r], dim=-1)
+        mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
+        return mixed, z.reshape(t, self.hv, self.dv), b.reshape(t, self.hv), a.reshape(t, self.hv)
+
+    def forward(
+        self, x: torch.Tensor, spans: StateSpans, conv_state: torch.Tensor, ssm_state: torch.Tensor
+    ) -> torch.Tensor:
+        """Mix ``x [T, hidden]``; updates ``conv_state[slot]`` / ``ssm_state[slot]`` of every request.
+
+        ``conv_state`` / ``ssm_state`` are this layer's whole pool tensors
+        (``[num_slots, *conv_state_shape]`` and ``[num_slots, *ssm_state_shape]``).
+        """
+        mixed, z, b, a = self._split_projections(x)
+        weight = self.conv1d.weight.squeeze(1)
+        decode, extend = spans.decode_and_extend()
+        conv_out = torch.empty_like(mixed)
+        cu, slots = spans.cu_seqlens, spans.slots
+        dec_tok = torch.tensor([cu[i] for i in decode], dtype=torch.long, device=x.device)
+        dec_slots = torch.tensor([slots[i] for i in decode], dtype=torch.long, device=x.device)
+        if decode:
+            conv_out[dec_tok] = causal_conv1d_update(mixed[dec_tok], conv_state, weight, None, dec_slots)
+        for i in extend:
+            s = slice(cu[i], cu[i + 1])
+            conv_out[s] = causal_conv1d_extend(mixed[s], conv_state, weight, None, slots[i])
+
+        t = x.shape[0]
+        q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        # The kernels expect q/k L2-normalised (in fp32, like the reference) and q pre-scaled; each
+        # key head serves Hv / Hk consecutive value heads inside the kernel.
+        q = _l2norm(q.reshape(t, self.hk, self.dk).float()) * self.dk**-0.5
+        k = _l2norm(k.reshape(t, self.hk, self.dk).float())
+        v = v.reshape(t, self.hv, self.dv).float()
+        beta = b.float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+
+        core = torch.empty_like(v)
+        if decode:
+            core[dec_tok] = gated_delta_step(
+                q[dec_tok], k[dec_tok], v[dec_tok], g[dec_tok], beta[dec_tok], ssm_state, dec_slots
+            )
+        for i in extend:
+            s = slice(cu[i], cu[i + 1])
+            # Chunked form for extends, as transformers computes them (see delta_chunked.py).
+            core[s] = gated_delta_extend_chunked(q[s], k[s], v[s], g[s], beta[s], ssm_state, slots[i])
+
+        out = self.norm(core.to(x.dtype), z)
+        return self.out_proj(out.reshape(t, self.value_dim))

@@ -1,0 +1,127 @@
+"""Qwen3-Next's own layers: zero-centred RMSNorm, partial rotary, gated full attention.
+
+They differ from Qwen3's on purpose, and each difference changes the logits:
+
+* RMSNorm stores its weight as an offset from one and multiplies in fp32: ``x_hat * (1 + w)``.
+* ``q_proj`` emits, per head, a query and a gate of ``head_dim`` each; the attention output is
+  multiplied by ``sigmoid(gate)`` before ``o_proj``.
+* Rotary covers only the first ``partial_rotary_factor * head_dim`` dims of q and k.
+
+Full-attention K/V live in the slot-indexed pool and go through the shared kernels
+(``kernels.kv_store`` / ``kernels.attention``), exactly like Qwen3's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.attention import decode_attention, extend_attention
+from kernels.kv_store import store_kv
+from services.worker.batch import ForwardBatch, ForwardContext
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    """RMSNorm whose weight is an offset from one: ``(x_hat * (1 + w))`` computed in fp32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+class PartialRotary:
+    """Default RoPE on the first ``rotary_dim`` dims of each head (rotate-half layout).
+
+    Not a module and no buffer: the model is built on the meta device, so the frequencies are
+    computed on first use, on the device of the positions, and cached per device.
+    """
+
+    __slots__ = ("rotary_dim", "base", "_inv_freq")
+
+    def __init__(self, head_dim: int, partial_rotary_factor: float, base: float) -> None:
+        self.rotary_dim = int(head_dim * partial_rotary_factor)
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= head_dim:
+            raise ValueError(
+                f"partial_rotary_factor={partial_rotary_factor} gives rotary dim {self.rotary_dim} "
+                f"for head_dim={head_dim}; it must be even and in (0, head_dim]"
+            )
+        self.base = base
+        self._inv_freq: torch.Tensor | None = None
+
+    def _freqs(self, device: torch.device) -> torch.Tensor:
+        if self._inv_freq is None or self._inv_freq.device != device:
+            exps = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device=device) / self.rotary_dim
+            self._inv_freq = 1.0 / (self.base**exps)
+        return self._inv_freq
+
+    def __call__(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
+        """Rotate each ``x [T, H, D]`` by its token's position; dims past ``rotary_dim`` pass through."""
+        freqs = positions.float()[:, None] * self._freqs(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        half = self.rotary_dim // 2
+        out = []
+        for x in xs:
+            cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+            rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+            rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+            out.append(torch.cat((rot * cos + rotated * sin, rest), dim=-1))
+        return out
+
+
+class GatedAttention(nn.Module):
+    """Full attention with q/k norm, partial rotary and a per-head sigmoid output gate.
+
+    ``forward`` stores the new tokens' K/V at ``batch.out_slots`` in KV-pool layer ``kv_layer``
+    and attends over each request's ``req_to_token`` row (cached prefix + new tokens).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        bias: bool,
+        eps: float,
+        kv_layer: int,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads={num_heads} must be a multiple of num_key_value_heads={num_kv_heads}")
+        self.kv_layer = kv_layer
+        self.hq, self.hkv, self.d = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_norm = ZeroCentredRMSNorm(head_dim, eps)
+        self.k_norm = ZeroCentredRMSNorm(head_dim, eps)
+
+    def forward(
+        self, x: torch.Tensor, rotary: PartialRotary, batch: ForwardBatch, ctx: ForwardContext
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        # q_proj is laid out per head as [query (D) | gate (D)].
+        q, gate = torch.chunk(self.q_proj(x).view(t, self.hq, 2 * self.d), 2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(t, self.hkv, self.d))
+        v = self.v_proj(x).view(t, self.hkv, self.d)
+        q, k = rotary(batch.positions, q, k)
+        k_pool, v_pool = ctx.kv.layer(self.kv_layer)
+        store_kv(k_pool, v_pool, batch.out_slots, k.to(k_pool.dtype), v.to(v_pool.dtype))
+        q = q.to(k_pool.dtype)
+        scale = self.d**-0.5
+        if batch.is_decode:
+            o = decode_attention(q, k_pool, v_pool, ctx.req_to_token, batch.rows, batch.seq_lens, scale)
+        else:
+            o = extend_attention(
+                q, k_pool, v_pool, ctx.req_to_token, batch.rows, batch.start_pos, batch.extend_lens, scale
+            )
+        o = o.to(x.dtype).reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+        return self.o_proj(o)

@@ -1,0 +1,164 @@
+"""Validation of a ``StepRequest`` against the worker's pools, before anything is mutated.
+
+``check_step`` is pure: it reads the request and a few sizes and returns the decoded grammar
+bitmasks; every problem is a ``StepError`` naming the op or request and the field, so a buggy
+scheduler gets an ``INVALID_ARGUMENT`` it can act on and the worker's pools stay intact.
+
+Ops are simulated in order: a ``ReleaseRow`` earlier in the same step forgets that row's last
+sample and length, so a later ``use_last_sample`` on it is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from services.common.step import MambaCopy, MambaReset, ReleaseRow, ReqInput, StepError, StepRequest
+
+_WORD_BITS = 32
+
+
+def check_step(
+    req: StepRequest,
+    *,
+    num_rows: int,
+    num_slots: int,
+    num_mamba_slots: int,
+    max_context: int,
+    vocab_size: int,
+    max_top_logprobs: int,
+    rows_with_sample: set[int],
+    row_len: Mapping[int, int],
+) -> list[torch.Tensor | None]:
+    """Raise ``StepError`` for the first problem found; return one bitmask (or ``None``) per request.
+
+    ``num_mamba_slots == 0`` means a dense model: Mamba ops and ``mamba_slot`` are refused.
+    ``rows_with_sample`` / ``row_len``: rows holding a previous sample / how many positions each
+    row holds, before this step's ops.
+    """
+    sampled = set(rows_with_sample)
+    lengths = dict(row_len)
+    for i, op in enumerate(req.ops):
+        where = f"ops[{i}] ({type(op).__name__})"
+        if isinstance(op, MambaCopy):
+            _mamba_slot(op.src, num_mamba_slots, f"{where}.src")
+            _mamba_slot(op.dst, num_mamba_slots, f"{where}.dst")
+            if op.src == op.dst:
+                raise StepError(f"{where}: src == dst == {op.src}")
+        elif isinstance(op, MambaReset):
+            _mamba_slot(op.slot, num_mamba_slots, f"{where}.slot")
+        elif isinstance(op, ReleaseRow):
+            _in_range(op.row, num_rows, f"{where}.row")
+            sampled.discard(op.row)
+            lengths.pop(op.row, None)
+        else:
+            raise StepError(f"{where}: unknown op type")
+
+    masks: list[torch.Tensor | None] = []
+    seen_rows: set[int] = set()
+    seen_mamba: set[int] = set()
+    seen_slots: set[int] = set()
+    for r in req.reqs:
+        where = f"request {r.request_id!r}"
+        _in_range(r.row, num_rows, f"{where} row")
+        if r.row in seen_rows:
+            raise StepError(f"{where}: row {r.row} appears twice in one step")
+        seen_rows.add(r.row)
+        where = f"request {r.request_id!r} (row {r.row})"
+        _check_tokens(r, where, vocab_size, sampled, max_context, lengths)
+        _check_slots(r, where, num_slots, seen_slots)
+        if num_mamba_slots == 0:
+            if r.mamba_slot is not None:
+                raise StepError(f"{where}: mamba_slot={r.mamba_slot} but the model has no Mamba state")
+        else:
+            if r.mamba_slot is None:
+                raise StepError(f"{where}: a hybrid model needs mamba_slot")
+            _mamba_slot(r.mamba_slot, num_mamba_slots, f"{where} mamba_slot")
+            if r.mamba_slot in seen_mamba:
+                raise StepError(f"{where}: mamba_slot {r.mamba_slot} is used by two requests")
+            seen_mamba.add(r.mamba_slot)
+        if not 0 <= r.top_logprobs <= max_top_logprobs:
+            raise StepError(f"{where}: top_logprobs={r.top_logprobs} outside [0, {max_top_logprobs}]")
+        bad = [t for t in r.history_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise StepError(f"{where}: history_ids has token {bad[0]} outside [0, {vocab_size})")
+        masks.append(None if r.token_bitmask is None else _bitmask(r.token_bitmask, vocab_size, where))
+    return masks
+
+
+def _in_range(value: int, size: int, what: str) -> None:
+    if not 0 <= value < size:
+        raise StepError(f"{what}={value} out of range [0, {size})")
+
+
+def _mamba_slot(slot: int, num: int, what: str) -> None:
+    if num == 0:
+        raise StepError(f"{what}: the model has no Mamba state (dense model)")
+    _in_range(slot, num, what)
+
+
+def _check_tokens(
+    r: ReqInput,
+    where: str,
+    vocab_size: int,
+    sampled: set[int],
+    max_context: int,
+    lengths: Mapping[int, int],
+) -> None:
+    if r.use_last_sample:
+        if r.row not in sampled:
+            raise StepError(f"{where}: use_last_sample but the row has no previous sample")
+    elif not r.input_ids:
+        raise StepError(f"{where}: input_ids is empty")
+    else:
+        bad = [t for t in r.input_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise StepError(f"{where}: input_ids has token {bad[0]} outside [0, {vocab_size})")
+    n = r.num_new
+    if r.start_pos < 0:
+        raise StepError(f"{where}: start_pos={r.start_pos} is negative")
+    if r.start_pos + n > max_context:
+        raise StepError(
+            f"{where}: start_pos {r.start_pos} + {n} new tokens exceeds max_context {max_context}"
+        )
+    if r.prefix_slots:
+        if len(r.prefix_slots) != r.start_pos:
+            raise StepError(
+                f"{where}: prefix_slots has {len(r.prefix_slots)} entries, start_pos is {r.start_pos}"
+            )
+    elif r.start_pos > lengths.get(r.row, 0):
+        raise StepError(
+            f"{where}: start_pos {r.start_pos} but the row holds only {lengths.get(r.row, 0)} positions "
+            "and no prefix_slots were sent"
+        )
+
+
+def _check_slots(r: ReqInput, where: str, num_slots: int, seen: set[int]) -> None:
+    if len(r.new_slots) != r.num_new:
+        raise StepError(f"{where}: new_slots has {len(r.new_slots)} entries for {r.num_new} new tokens")
+    for field, slots in (("new_slots", r.new_slots), ("prefix_slots", r.prefix_slots)):
+        if slots and (min(slots) < 0 or max(slots) >= num_slots):
+            bad = next(s for s in slots if not 0 <= s < num_slots)
+            raise StepError(f"{where}: {field} has slot {bad} outside [0, {num_slots})")
+    before = len(seen)
+    seen.update(r.new_slots)
+    if len(seen) != before + len(r.new_slots):
+        raise StepError(f"{where}: new_slots repeats a slot already written in this step")
+
+
+def _bitmask(raw: bytes, vocab_size: int, where: str) -> torch.Tensor:
+    words = -(-vocab_size // _WORD_BITS)
+    if len(raw) != 4 * words:
+        raise StepError(
+            f"{where}: token_bitmask has {len(raw)} bytes, expected {4 * words} "
+            f"(ceil({vocab_size}/32) int32 words)"
+        )
+    mask = torch.frombuffer(bytearray(raw), dtype=torch.int32)
+    valid = mask.clone()
+    tail = vocab_size - _WORD_BITS * (words - 1)  # bits of the last word that name real tokens
+    if tail < _WORD_BITS:
+        valid[-1] &= (1 << tail) - 1
+    if not bool(valid.any()):
+        raise StepError(f"{where}: token_bitmask allows no token")
+    return mask

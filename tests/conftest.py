@@ -1,0 +1,31 @@
+"""Shared fixtures: a real etcd, the tiny checkpoints (generated once), free ports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.etcd_fixture import etcd_endpoint, etcd_process, etcd_session_endpoint  # noqa: F401
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _checkpoint(tmp_path_factory: pytest.TempPathFactory, arch: str) -> Path:
+    """`make models` writes models/<arch>-tiny; a bare `pytest` run generates its own copy."""
+    made = REPO / "models" / f"{arch}-tiny"
+    if (made / "config.json").exists():
+        return made
+    from services.worker.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(arch, "tiny", tmp_path_factory.mktemp(f"{arch}-tiny"))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _checkpoint(tmp_path_factory, "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _checkpoint(tmp_path_factory, "qwen3-next")

@@ -1,0 +1,215 @@
+"""Every Triton kernel in `kernels/`, run by Triton's CPU interpreter, against its torch reference.
+
+Triton picks the interpreter when ``@triton.jit`` decorates a function, that is when a `kernels`
+module is first imported, and only if ``TRITON_INTERPRET=1`` is set by then. This pytest process may
+already have imported `kernels` without it, so each kernel family runs in a fresh subprocess — this
+file run as a script — with the variable set in the child's environment. Production code never reads
+the variable. Shapes are small (the interpreter runs every program through numpy) but chosen to cross
+block boundaries: several query/key blocks, split state columns, partial last words and channel blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+FP32_TOLERANCE = 1e-5
+HALF_TOLERANCE = 1e-2
+
+Results = dict[str, tuple[float, float]]
+"""case name -> (relative error of the Triton kernel against the reference, tolerance)."""
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    scale = expected.double().abs().max().clamp_min(1e-30)
+    return float((actual.double() - expected.double()).abs().max() / scale)
+
+
+# --------------------------------------------------------------------------------------------------
+# Cases (run in the child process only)
+# --------------------------------------------------------------------------------------------------
+
+
+def cases_kv_store() -> Results:
+    from kernels.kv_store import store_kv
+
+    out: Results = {}
+    for dtype in (torch.float32, torch.float16):
+        k_cache, v_cache = torch.randn(40, 3, 24).to(dtype), torch.randn(40, 3, 24).to(dtype)
+        caches = [k_cache, v_cache, k_cache.clone(), v_cache.clone()]
+        fused = torch.randn(5, 2 * 3 * 24).to(dtype)  # strided over tokens, like a fused projection
+        k, v = fused[:, :72].view(5, 3, 24), fused[:, 72:].view(5, 3, 24)
+        slots = torch.tensor([39, 0, 17, 4, 22])
+        store_kv(caches[0], caches[1], slots, k, v, impl="torch")
+        store_kv(caches[2], caches[3], slots, k, v, impl="triton")
+        err = max(rel_err(caches[2], caches[0]), rel_err(caches[3], caches[1]))
+        out[f"store_kv/{dtype}"] = (err, 0.0)
+    return out
+
+
+def _pool(num_slots: int, kv_heads: int, head_dim: int, rows: int, row_len: int, dtype: torch.dtype):
+    k_cache = torch.randn(num_slots, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_slots, kv_heads, head_dim).to(dtype)
+    req_to_token = torch.randperm(num_slots)[: rows * row_len].view(rows, row_len).contiguous()
+    return k_cache, v_cache, req_to_token
+
+
+def cases_attention() -> Results:
+    from kernels.attention import decode_attention, extend_attention
+
+    out: Results = {}
+    extend_cases = {
+        # name: (Hq, Hkv, D, start_pos, extend_lens, dtype)
+        "extend/mha": (2, 2, 16, [0], [9], torch.float32),
+        "extend/gqa_ragged_prefix": (4, 2, 16, [5, 0, 3], [3, 1, 6], torch.float32),
+        "extend/multi_block": (2, 1, 24, [10], [70], torch.float32),  # 2 query and 2 key blocks, D pad
+        "extend/fp16": (4, 2, 16, [4, 0], [5, 7], torch.float16),
+    }
+    for name, (hq, hkv, d, starts, lens, dtype) in extend_cases.items():
+        k_cache, v_cache, req_to_token = _pool(300, hkv, d, 3, 90, dtype)
+        rows = torch.tensor([2, 0, 1][: len(lens)])
+        q = torch.randn(sum(lens), hq, d).to(dtype)
+        args = (q, k_cache, v_cache, req_to_token, rows, torch.tensor(starts), torch.tensor(lens), d**-0.5)
+        ref = extend_attention(*args, impl="torch")
+        tri = extend_attention(*args, impl="triton")
+        tol = HALF_TOLERANCE if dtype == torch.float16 else FP32_TOLERANCE
+        out[name] = (rel_err(tri, ref), tol)
+
+    decode_cases = {
+        # name: (Hq, Hkv, D, seq_lens)
+        "decode/gqa_ragged": (6, 2, 16, [1, 9, 70]),  # one token, one block, two blocks
+        "decode/mha_d24": (2, 2, 24, [33, 5]),
+    }
+    for name, (hq, hkv, d, seq_lens) in decode_cases.items():
+        k_cache, v_cache, req_to_token = _pool(300, hkv, d, 3, 80, torch.float32)
+        rows = torch.tensor([1, 2, 0][: len(seq_lens)])
+        # q as a slice of a wider projection: strided over requests, dense per head.
+        q = torch.randn(len(seq_lens), 2 * hq * d)[:, : hq * d].view(len(seq_lens), hq, d)
+        seq = torch.tensor(seq_lens)
+        ref = decode_attention(q, k_cache, v_cache, req_to_token, rows, seq, 0.2, impl="torch")
+        tri = decode_attention(q, k_cache, v_cache, req_to_token, rows, seq, 0.2, impl="triton")
+        out[name] = (rel_err(tri, ref), FP32_TOLERANCE)
+    return out
+
+
+def cases_bitmask() -> Results:
+    from kernels.bitmask import apply_token_bitmask, bitmask_from_allowed
+
+    out: Results = {}
+    for vocab in (32, 65, 1030):  # an exact word, one bit in the last word, two programs per row
+        allowed = [{0, 31, vocab - 1}, set(range(0, vocab, 3)), set(), set(range(vocab))]
+        mask = torch.stack([bitmask_from_allowed(a, vocab) for a in allowed])
+        logits = torch.randn(len(allowed), vocab)
+        ref, tri = logits.clone(), logits.clone()
+        apply_token_bitmask(ref, mask, impl="torch")
+        apply_token_bitmask(tri, mask, impl="triton")
+        same = torch.equal(ref, tri)  # -inf entries make a relative error meaningless: compare exactly
+        out[f"bitmask/V={vocab}"] = (0.0 if same else math.inf, 0.0)
+    return out
+
+
+def cases_gated_delta() -> Results:
+    import torch.nn.functional as F
+
+    from kernels.gated_delta import gated_delta_extend, gated_delta_step
+
+    def inputs(n: int, hk: int, hv: int, dk: int, dv: int):
+        q = F.normalize(torch.randn(n, hk, dk), dim=-1) / math.sqrt(dk)
+        k = F.normalize(torch.randn(n, hk, dk), dim=-1)
+        return q, k, torch.randn(n, hv, dv), -F.softplus(torch.randn(n, hv)), torch.rand(n, hv)
+
+    out: Results = {}
+    step_cases = {"step/gva": (3, 2, 4, 16, 8), "step/split_dv": (2, 1, 1, 128, 64)}
+    for name, (b, hk, hv, dk, dv) in step_cases.items():
+        q, k, v, g, beta = inputs(b, hk, hv, dk, dv)
+        pool = torch.randn(5, hv, dk, dv)
+        ref_pool, tri_pool = pool.clone(), pool.clone()
+        idx = torch.tensor([4, 0, 2][:b])
+        ref = gated_delta_step(q, k, v, g, beta, ref_pool, idx, impl="torch")
+        tri = gated_delta_step(q, k, v, g, beta, tri_pool, idx, impl="triton")
+        out[name] = (max(rel_err(tri, ref), rel_err(tri_pool, ref_pool)), FP32_TOLERANCE)
+    extend_cases = {"extend/t1": (1, 2, 2, 16, 16), "extend/gva_t9": (9, 1, 2, 16, 8),
+                    "extend/split_dv": (4, 1, 1, 128, 64)}  # fmt: skip
+    for name, (t, hk, hv, dk, dv) in extend_cases.items():
+        q, k, v, g, beta = inputs(t, hk, hv, dk, dv)
+        pool = torch.randn(3, hv, dk, dv)
+        ref_pool, tri_pool = pool.clone(), pool.clone()
+        ref = gated_delta_extend(q, k, v, g, beta, ref_pool, 1, impl="torch")
+        tri = gated_delta_extend(q, k, v, g, beta, tri_pool, 1, impl="triton")
+        out[name] = (max(rel_err(tri, ref), rel_err(tri_pool, ref_pool)), FP32_TOLERANCE)
+    return out
+
+
+def cases_conv1d() -> Results:
+    from kernels.conv1d import causal_conv1d_extend, causal_conv1d_update
+
+    out: Results = {}
+    channels, kernel = 150, 4  # two channel blocks for the extend kernel, a partial last one
+    weight = torch.randn(channels, kernel)
+    for state_len in (kernel, kernel - 1):
+        for bias in (torch.randn(channels), None):
+            tag = f"Ks={state_len},bias={bias is not None}"
+            pool = torch.randn(4, channels, state_len)
+            ref_pool, tri_pool = pool.clone(), pool.clone()
+            x, idx = torch.randn(3, channels), torch.tensor([3, 0, 1])
+            ref = causal_conv1d_update(x, ref_pool, weight, bias, idx, impl="torch")
+            tri = causal_conv1d_update(x, tri_pool, weight, bias, idx, impl="triton")
+            out[f"update/{tag}"] = (max(rel_err(tri, ref), rel_err(tri_pool, ref_pool)), FP32_TOLERANCE)
+            for length in (1, 2, 20):  # shorter than the state, and more than one token block
+                x = torch.randn(length, channels)
+                ref = causal_conv1d_extend(x, ref_pool, weight, bias, 2, activation=None, impl="torch")
+                tri = causal_conv1d_extend(x, tri_pool, weight, bias, 2, activation=None, impl="triton")
+                err = max(rel_err(tri, ref), rel_err(tri_pool, ref_pool))
+                out[f"extend/{tag},T={length}"] = (err, FP32_TOLERANCE)
+    return out
+
+
+FAMILIES: dict[str, Callable[[], Results]] = {
+    "kv_store": cases_kv_store,
+    "attention": cases_attention,
+    "bitmask": cases_bitmask,
+    "gated_delta": cases_gated_delta,
+    "conv1d": cases_conv1d,
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# The tests (parent process)
+# --------------------------------------------------------------------------------------------------
+
+
+def run_family(family: str) -> Results:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), family],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"{family} child failed:\n{proc.stdout}\n{proc.stderr}"
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {name: (err, tol) for name, (err, tol) in results.items()}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_triton_kernel_matches_torch_reference(family: str) -> None:
+    results = run_family(family)
+    assert results, "no case ran"
+    failures = {name: err for name, (err, tol) in results.items() if not err <= tol}
+    assert not failures, f"relative errors over tolerance: {failures}"
+
+
+if __name__ == "__main__":
+    # Child mode. Refuse to run without the interpreter: there is no GPU to compile for here.
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run with TRITON_INTERPRET=1")
+    sys.path.insert(0, str(ROOT))
+    torch.manual_seed(0)
+    print(json.dumps(FAMILIES[sys.argv[1]]()))
