@@ -29,3 +29,12 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _checkpoint(tmp_path_factory, "qwen3-next")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread() -> None:
+    """In-process engines share 2 cores with the service processes the e2e tests start; one
+    intra-op thread each keeps step times steady (a tiny decode step: ~4 ms vs ~270 ms contended)."""
+    import torch
+
+    torch.set_num_threads(1)

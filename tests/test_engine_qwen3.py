@@ -16,6 +16,7 @@ import torch
 
 from services.common.step import (
     GREEDY,
+    MambaCopy,
     MambaReset,
     ReleaseRow,
     ReqInput,
@@ -330,3 +331,26 @@ def test_llama_checkpoint_matches(tmp_path: Path) -> None:
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0]
     assert max_diff(torch.cat([got, got2]), want) < TOL
+
+
+def test_hybrid_model_gets_a_mamba_pool_and_needs_mamba_slots(tmp_path: Path) -> None:
+    """The engine side of Qwen3-Next: pool sizing, Mamba ops in order, mamba_slot required."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_tiny_checkpoint("qwen3-next", "tiny", tmp_path)
+    engine = Engine(path, EngineConfig(kv_cache_bytes=1 << 20, max_rows=2))
+    assert engine.info.hybrid and engine.info.num_mamba_slots == 3 * 2
+    assert engine.mamba is not None and engine.info.bytes_per_mamba_slot == engine.mamba.bytes_per_slot
+    ids = prompt(15, 24)
+    with pytest.raises(StepError, match="needs mamba_slot"):
+        engine.step(StepRequest(0, reqs=[extend("h", 0, ids, 0, Slots().take(24))]))
+    slots = Slots()
+    first = engine.forward_logits(
+        StepRequest(0, ops=[MambaReset(1)], reqs=[extend("h", 0, ids[:20], 0, slots.take(20), mamba_slot=1)])
+    )
+    # Fork the state (as a checkpoint into the cache would), then continue from the copy.
+    tail = extend("h", 0, ids[20:], 20, slots.take(4), mamba_slot=4)
+    rest = engine.forward_logits(StepRequest(1, ops=[MambaCopy(1, 4)], reqs=[tail]))
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(path).eval()(torch.tensor([ids])).logits[0]
+    assert max_diff(torch.cat([first, rest]), want) < TOL

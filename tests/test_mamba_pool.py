@@ -23,7 +23,10 @@ def _snapshot(pool: MambaPool, slot: int) -> list[torch.Tensor]:
 
 
 def _bit_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b, strict=True))
+    return all(
+        x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        for x, y in zip(a, b, strict=True)
+    )
 
 
 def test_layout_dtypes_and_size() -> None:

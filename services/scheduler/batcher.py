@@ -34,7 +34,30 @@ class BatchLimits:
 class Plan:
     step: StepRequest
     reqs: list[Req]  # one per ReqInput, same order
+    prefills: list[Req] = field(default_factory=list)  # inputs that were prefill chunks
     sampled: list[Req] = field(default_factory=list)  # those with sample=True, in order
+
+
+# Waiting for a sibling is only worth it when it saves at least this many tokens of prefill.
+MIN_HOLD_TOKENS = 16
+
+
+def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the common prefix of a and b, at most ``limit`` (slice compares, no per-token
+    loop until the last few tokens)."""
+    n = min(len(a), len(b), limit)
+    lo, hi = 0, n
+    if a[:n] == b[:n]:
+        return n
+    while hi - lo > 32:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    while lo < hi and a[lo] == b[lo]:
+        lo += 1
+    return lo
 
 
 def _decoding(req: Req) -> bool:
@@ -60,6 +83,7 @@ class Batcher:
         self.step_id = 0
         self.retractions = 0
         self.cached_tokens = 0  # Σ prompt tokens reused on first admission
+        self.held_back = 0  # admissions deferred to wait for a sibling's prefix
 
     @property
     def idle(self) -> bool:
@@ -90,6 +114,8 @@ class Batcher:
         self.pending_ops = []
         plan = Plan(step, [])
         for req, n in inputs:
+            if not _decoding(req) or n > 1:
+                plan.prefills.append(req)
             plan.step.reqs.append(self._input(req, n))
             plan.reqs.append(req)
             if plan.step.reqs[-1].sample:
@@ -117,19 +143,17 @@ class Batcher:
 
     def _grant(self, req: Req, n: int) -> int:
         """Allocate ``n`` slots for the next ``n`` tokens of ``req``; 0 when memory is short."""
-        got = self.mem.alloc(n)
-        if got is None:
-            return 0
-        req.slots.extend(got[:n])
-        if len(got) > n:  # page rounding: keep the page tail for the next tokens
-            self.mem.slots.free(got[n:])
-        return n
+        return n if self.mem.extend(req, n) else 0
 
     def _admit(self, inputs: list[tuple[Req, int]], budget: int) -> int:
         if not self.limits.fcfs and len(self.waiting) > 1:
             self.waiting = deque(sorted(self.waiting, key=self.mem.prefix_len, reverse=True))
+        held: list[Req] = []
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_running:
             req = self.waiting[0]
+            if self._sibling_in_flight(req):
+                held.append(self.waiting.popleft())
+                continue
             row = self.mem.rows.alloc()
             if row is None:
                 break
@@ -153,7 +177,29 @@ class Batcher:
             self.running.append(req)
             inputs.append((req, chunk))
             budget -= chunk
+        self.waiting.extendleft(reversed(held))
+        self.held_back += len(held)
         return budget
+
+    def _sibling_in_flight(self, req: Req) -> bool:
+        """A running request is still computing (part of) this request's prefix: wait for it to
+        reach the tree (its chunks are inserted as they finish) instead of computing the same
+        tokens twice."""
+        seq = req.seq
+        matched = -1
+        for other in self.running:
+            # No token sampled yet: its prompt is still being computed (this step or the next).
+            if other.output or other.cache_salt != req.cache_salt:
+                continue
+            # How far the sibling's prompt covers ours, against what the tree already holds.
+            reach = _common_prefix_len(seq, other.prompt, len(seq) - 1)
+            if reach < MIN_HOLD_TOKENS:
+                continue
+            if matched < 0:
+                matched = self.mem.prefix_len(req)
+            if reach >= matched + max(self.mem.page_size, MIN_HOLD_TOKENS):
+                return True
+        return False
 
     def _input(self, req: Req, n: int) -> ReqInput:
         start = req.computed - n
@@ -165,7 +211,7 @@ class Batcher:
             input_ids=seq[start : start + n],
             start_pos=start,
             new_slots=req.slots[start:],
-            prefix_slots=req.slots[:start] if not req.sent_history else [],
+            prefix_slots=req.slots[:start] if not req.sent_history or req.row_dirty else [],
             mamba_slot=req.mamba_slot,
             sample=start + n == len(seq),
             sampling=req.gen.sampling,
@@ -178,11 +224,15 @@ class Batcher:
         if not req.sent_history and req.gen.sampling.has_penalties:
             ri.history_ids = seq[:start]
         req.sent_history = True
+        req.row_dirty = False
         return ri
 
     # -- commit ---------------------------------------------------------------------------------
     def commit(self, plan: Plan, sampled: list[tuple[int, object]]) -> None:
         """Record the samples (token id, logprob or None) of ``plan.sampled``, in order."""
+        for req in plan.prefills:
+            if req.finished is None and not req.aborted and req.row is not None:
+                self.mem.cache_unfinished(req)
         for req, (tok, lp) in zip(plan.sampled, sampled, strict=True):
             if req.finished is not None or req.aborted:
                 continue

@@ -138,15 +138,21 @@ class SchedulerLoop:
     def forget(self, rid: str) -> None:
         self.requests.pop(rid, None)
 
-    async def _fail_step(self, reqs: list[Req], error: str) -> None:
-        """End ``reqs`` with ERROR and rebuild the worker's state from scratch (its pools may
-        hold half a step), requeueing the other requests."""
+    def _fail_step(self, reqs: list[Req], error: str) -> None:
+        """End ``reqs`` with ERROR and restart the bookkeeping from empty pools (the cache may be
+        inconsistent after a failed step), requeueing every other request on the same worker."""
         for req in reqs:
             if req.finished is None:
                 req.finished = Finish.ERROR
                 req.emit(FinishEvent(Finish.ERROR, len(req.prompt), len(req.output), req.cached_tokens, error))
-        await self.detach(error)
-        self._orphans = [r for r in self._orphans if r.finished is None]
+        link, batcher = self.link, self.batcher
+        assert link is not None and batcher is not None
+        batcher.fail_all(error)
+        self._orphans = [r for r in batcher.waiting if r.finished is None and not r.aborted]
+        for r in batcher.waiting:
+            if r.aborted and r.finished is None:
+                r.emit_abort()
+        self.attach(link)
 
     # -- the loop -------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
@@ -174,7 +180,7 @@ class SchedulerLoop:
             except Exception as e:
                 # A bug, not a lost worker: fail the requests of this step loudly, start clean.
                 log.exception("step %d failed", plan.step.step_id)
-                await self._fail_step(plan.reqs, f"internal error in step {plan.step.step_id}: {e!r}")
+                self._fail_step(plan.reqs, f"internal error in step {plan.step.step_id}: {e!r}")
                 continue
             self.counters.busy_s += time.perf_counter() - t0
             self.counters.steps += 1

@@ -65,6 +65,31 @@ class KVMemory:
         seq = req.seq
         return len(self.cache.match_prefix(CacheKey(seq[: len(seq) - 1], req.cache_salt)).slots)
 
+    def extend(self, req: Req, n: int) -> bool:
+        """Give ``req`` slots for its next ``n`` tokens: the rest of its last page first, then new
+        whole pages (token i always sits at offset i % page_size of a page, so pages can be
+        shared). The unused tail of the last page stays the request's until it is released."""
+        got: list[int] = []
+        ps = self.page_size
+        if ps > 1 and req.slots and req.computed % ps:
+            last = req.slots[-1]
+            got = list(range(last + 1, last + 1 + min(ps - 1 - last % ps, n)))
+        rest = n - len(got)
+        if rest:
+            new = self.alloc(rest)
+            if new is None:
+                return False
+            got += new[:rest]
+        req.slots.extend(got)
+        return True
+
+    def _pages(self, slots: list[int]) -> list[int]:
+        """Every slot of the pages ``slots`` touch (a request's own pages are wholly its own)."""
+        ps = self.page_size
+        if ps == 1 or not slots:
+            return slots
+        return [p * ps + i for p in sorted({s // ps for s in slots}) for i in range(ps)]
+
     def alloc(self, n: int) -> list[int] | None:
         """``n`` slots (rounded to whole pages by the allocator), evicting unlocked cache if needed."""
         got = self.slots.alloc(n)
@@ -94,10 +119,36 @@ class KVMemory:
         if req.lock is not None:
             self.cache.unlock(req.lock)
         if to_free:
-            self.slots.free(to_free)
+            self.slots.free(self._pages(to_free))
         req.lock = None
         req.slots = []
         req.cache_len = 0
+
+    def cache_unfinished(self, req: Req) -> None:
+        """Insert a running request's computed prefix into the tree (after a prefill chunk), so
+        siblings can match it while this request goes on, and move its lock down to the new end.
+
+        Where the tree already held some of these tokens (a sibling computed them too), the
+        request switches to the tree's slots and frees its duplicates; ``req.row_dirty`` then
+        tells the batcher to rewrite the worker's req_to_token row before the next step.
+        """
+        computed, m = req.computed, req.cache_len
+        aligned = self.cache.aligned_len(computed)
+        if aligned <= m or isinstance(self.cache, NoCache):
+            return
+        key = CacheKey(req.seq[:aligned], req.cache_salt)
+        cached = self.cache.insert(key, req.slots[:aligned])
+        dup = req.slots[m:cached]
+        new = self.cache.match_prefix(key)
+        assert len(new.slots) == aligned, (len(new.slots), aligned)
+        self.cache.lock(new.node)
+        if req.lock is not None:
+            self.cache.unlock(req.lock)
+        req.lock, req.cache_len = new.node, aligned
+        if dup:
+            req.slots[:aligned] = new.slots
+            req.row_dirty = True
+            self.slots.free(self._pages(dup))
 
     def free_row(self, req: Req) -> int | None:
         row = req.row

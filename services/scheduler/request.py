@@ -63,6 +63,7 @@ class Req:
     cached_tokens: int = 0  # prompt tokens reused on first admission (reported as usage)
     first_admission: bool = True
     sent_history: bool = False
+    row_dirty: bool = False  # the worker's row holds slots the cache replaced: resend them
     aborted: bool = False
     finished: Finish | None = None
     retractions: int = 0

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 import torch
 
@@ -40,6 +40,9 @@ from services.worker.models.registry import CausalLM
 from services.worker.pools import KVPool, ReqToTokenTable
 from services.worker.sampler import MAX_TOP_LOGPROBS, SamplerInput, sample
 from services.worker.step_check import check_step
+
+if TYPE_CHECKING:
+    from services.worker.mamba_pool import MambaPool
 
 DType = Literal["float32", "bfloat16", "float16"]
 _DTYPES: dict[str, torch.dtype] = {
@@ -122,12 +125,12 @@ class Engine:
             cfg.page_size,
         )
         self.req_to_token = ReqToTokenTable(cfg.max_rows, context, device)
-        self.mamba = None
+        self.mamba: MambaPool | None = None
         spec = getattr(model, "mamba_spec", None)
         if spec is not None:
-            from services.worker.mamba_pool import MambaPool  # only hybrid models need it
+            from services.worker.mamba_pool import MambaPool as Pool  # only hybrid models need it
 
-            self.mamba = MambaPool(cfg.mamba_slots or MAMBA_SLOTS_PER_ROW * cfg.max_rows, spec, device)
+            self.mamba = Pool(cfg.mamba_slots or MAMBA_SLOTS_PER_ROW * cfg.max_rows, spec, device)
         self.info = WorkerInfo(
             model=model_dir.resolve().name,
             architecture=loaded.architecture,

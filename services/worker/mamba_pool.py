@@ -66,7 +66,7 @@ class MambaPool:
     requests in their batch.
     """
 
-    __slots__ = ("spec", "device", "_num_slots", "conv", "ssm")
+    __slots__ = ("_num_slots", "conv", "device", "spec", "ssm")
 
     def __init__(self, num_slots: int, spec: MambaSpec, device: torch.device | str = "cpu") -> None:
         if num_slots < 1:
@@ -112,7 +112,9 @@ class MambaPool:
     def copy_many(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Batched ``copy``: ``dst[i] := src[i]``; destinations must be distinct and disjoint from sources."""
         if src.shape != dst.shape or src.dim() != 1:
-            raise ValueError(f"copy_many wants two 1-D index tensors of equal length, got {src.shape}, {dst.shape}")
+            raise ValueError(
+                f"copy_many wants two 1-D index tensors of equal length, got {src.shape}, {dst.shape}"
+            )
         s, d = src.tolist(), dst.tolist()
         for i in (*s, *d):
             self._check(int(i), "copy")

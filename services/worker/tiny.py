@@ -6,9 +6,9 @@ on a synthetic English-like corpus generated from the seed. Everything is determ
 ``(arch, size, seed)``: the same call writes the same bytes.
 
 Random models have almost flat logits under the usual init (std 0.02), which makes greedy
-decoding flip on rounding noise; to keep the top-1 logit
-margin is typically orders of magnitude above fp32 noise: the final norm gets a gain
-(``_LOGIT_SCALE``).
+decoding flip on rounding noise, and they echo their input. So the init is wider
+(``_init_std``) and the final norm gets a gain (``_LOGIT_SCALE``): the top-1 logit margin is then
+typically orders of magnitude above fp32 noise and greedy output is a varied sequence.
 """
 
 from __future__ import annotations
@@ -38,11 +38,19 @@ CHAT_TEMPLATE = (
 )
 
 # Gain given to the final RMSNorm after init: logits = norm(h) · W^T grow linearly with it
-# (std ~ initializer_range * sqrt(hidden) * gain) while the residual stream is left untouched.
+# (std ~ initializer_range * sqrt(hidden) * gain = 0.8 * gain ~ 5) while the residual stream is
+# left untouched.
 _LOGIT_SCALE = 6.0
-# Larger than the usual 0.02 so that the layers, not the input embedding, dominate the residual
-# stream: with 0.02 a random model greedily repeats its last token forever.
-_INIT_STD = 0.1
+
+
+def _init_std(hidden: int) -> float:
+    """Weight std with ``std * sqrt(hidden) = 0.8`` (0.1 at hidden 64).
+
+    Much wider than the usual 0.02 so that the layers, not the input embedding, dominate the
+    residual stream: with 0.02 a random model greedily repeats its last token forever. Scaling by
+    width keeps every size's projections (and logits) in the same range.
+    """
+    return 0.8 / hidden**0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +221,7 @@ def _model_config(arch: Arch, size: Size, shape: _Shape, vocab: int, ids: dict[s
         "pad_token_id": ids[ENDOFTEXT],
         "bos_token_id": None,
         "dtype": "float32",
-        "initializer_range": _INIT_STD,
+        "initializer_range": _init_std(shape.hidden),
         # Untied: a tied random model echoes its input token (its logits favour the token it embeds).
         "tie_word_embeddings": False,
     }

@@ -109,10 +109,15 @@ class RadixCache(PrefixCache):
     # -- queries --------------------------------------------------------------------------------
 
     def match_prefix(self, key: CacheKey) -> MatchResult:
-        tokens = _as_array(key.tokens)
         root = self._roots.get(key.extra)
-        if root is None:
-            return MatchResult([], self._detached_root)
+        ps = self.page_size
+        if root is None or len(key.tokens) < ps:
+            return MatchResult([], self._detached_root if root is None else root)
+        # A miss on the first page is the common case for new prompts: answer it before paying
+        # for converting a long list key to an array.
+        if self._child_key(_as_array(key.tokens[:ps])) not in root.children:
+            return MatchResult([], root)
+        tokens = _as_array(key.tokens)
         slots: list[int] = []
         node, _ = self._walk(root, tokens, self.aligned_len(len(tokens)), slots, hit=True)
         return MatchResult(slots, node)

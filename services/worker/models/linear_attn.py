@@ -13,8 +13,9 @@ Per token ``t`` and value head ``h`` (``q``/``k`` L2-normalised, ``q`` scaled by
     o_t = q_t^T S
 
 An extend chunk continues from the stored state and leaves the state after its last token, so
-any split of a prompt into chunks (and decode after it) computes exactly what one-shot prefill
-computes. Parameter names match the Hugging Face checkpoint (``linear_attn.*``).
+any split of a prompt into chunks (and decode after it) computes the same function as one-shot
+prefill (up to fp32 rounding: see ``delta_chunked.py``). Parameter names match the Hugging
+Face checkpoint (``linear_attn.*``).
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ class StateSpans:
 
     def __post_init__(self) -> None:
         if len(self.cu_seqlens) != len(self.slots) + 1:
-            raise ValueError(f"{len(self.slots)} slots need {len(self.slots) + 1} cu_seqlens, got {len(self.cu_seqlens)}")
+            raise ValueError(
+                f"{len(self.slots)} slots need {len(self.slots) + 1} cu_seqlens, got {len(self.cu_seqlens)}"
+            )
         if len(set(self.slots)) != len(self.slots):
             raise ValueError(f"Mamba slots repeat within one batch: {self.slots}")
 
@@ -89,7 +92,10 @@ class GatedDeltaNet(nn.Module):
     ) -> None:
         super().__init__()
         if num_v_heads % num_k_heads:
-            raise ValueError(f"linear_num_value_heads={num_v_heads} must be a multiple of linear_num_key_heads={num_k_heads}")
+            raise ValueError(
+                f"linear_num_value_heads={num_v_heads} must be a multiple of "
+                f"linear_num_key_heads={num_k_heads}"
+            )
         self.hk, self.hv, self.dk, self.dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
         self.kernel = conv_kernel
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
@@ -136,10 +142,15 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self._split_projections(x)
         weight = self.conv1d.weight.squeeze(1)
         decode, extend = spans.decode_and_extend()
-        conv_out = torch.empty_like(mixed)
         cu, slots = spans.cu_seqlens, spans.slots
-        dec_tok = torch.tensor([cu[i] for i in decode], dtype=torch.long, device=x.device)
+        # Token rows of the one-token requests (all rows in a pure decode batch: no gather needed).
+        dec_tok: torch.Tensor | slice = (
+            slice(None)
+            if not extend
+            else torch.tensor([cu[i] for i in decode], dtype=torch.long, device=x.device)
+        )
         dec_slots = torch.tensor([slots[i] for i in decode], dtype=torch.long, device=x.device)
+        conv_out = torch.empty_like(mixed)
         if decode:
             conv_out[dec_tok] = causal_conv1d_update(mixed[dec_tok], conv_state, weight, None, dec_slots)
         for i in extend:
@@ -150,7 +161,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         # The kernels expect q/k L2-normalised (in fp32, like the reference) and q pre-scaled; each
         # key head serves Hv / Hk consecutive value heads inside the kernel.
-        q = _l2norm(q.reshape(t, self.hk, self.dk).float()) * self.dk**-0.5
+        q = _l2norm(q.reshape(t, self.hk, self.dk).float())
         k = _l2norm(k.reshape(t, self.hk, self.dk).float())
         v = v.reshape(t, self.hv, self.dv).float()
         beta = b.float().sigmoid()
@@ -158,13 +169,17 @@ class GatedDeltaNet(nn.Module):
 
         core = torch.empty_like(v)
         if decode:
+            # transformers divides by sqrt(Dk) on its recurrent path and multiplies by Dk**-0.5 on
+            # its chunked one; the last ulp matters on small random checkpoints, so do the same.
+            q_dec = q[dec_tok] / self.dk**0.5
             core[dec_tok] = gated_delta_step(
-                q[dec_tok], k[dec_tok], v[dec_tok], g[dec_tok], beta[dec_tok], ssm_state, dec_slots
+                q_dec, k[dec_tok], v[dec_tok], g[dec_tok], beta[dec_tok], ssm_state, dec_slots
             )
         for i in extend:
             s = slice(cu[i], cu[i + 1])
             # Chunked form for extends, as transformers computes them (see delta_chunked.py).
-            core[s] = gated_delta_extend_chunked(q[s], k[s], v[s], g[s], beta[s], ssm_state, slots[i])
+            q_ext = q[s] * self.dk**-0.5
+            core[s] = gated_delta_extend_chunked(q_ext, k[s], v[s], g[s], beta[s], ssm_state, slots[i])
 
         out = self.norm(core.to(x.dtype), z)
         return self.out_proj(out.reshape(t, self.value_dim))

@@ -44,7 +44,9 @@ class SparseMoe(nn.Module):
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = nn.ModuleList(SwiGLU(hidden_size, expert_intermediate_size) for _ in range(num_experts))
+        self.experts = nn.ModuleList(
+            SwiGLU(hidden_size, expert_intermediate_size) for _ in range(num_experts)
+        )
         self.shared_expert = SwiGLU(hidden_size, shared_intermediate_size)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 

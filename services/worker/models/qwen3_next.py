@@ -58,7 +58,14 @@ class Qwen3NextArgs:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> Qwen3NextArgs:
         """Read a ``config.json`` dict; raises ``ValueError`` naming a missing or bad field."""
-        required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+        required = (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+        )
         missing = [k for k in required if k not in cfg]
         if missing:
             raise ValueError(f"Qwen3-Next config.json lacks {', '.join(missing)}")
@@ -68,7 +75,9 @@ class Qwen3NextArgs:
             every = int(cfg.get("full_attention_interval", 4))
             types = [FULL if (i + 1) % every == 0 else LINEAR for i in range(n)]
         if len(types) < n or any(t not in (LINEAR, FULL) for t in types[:n]):
-            raise ValueError(f"Qwen3-Next layer_types must name {n} layers, each {LINEAR!r} or {FULL!r}: {types}")
+            raise ValueError(
+                f"Qwen3-Next layer_types must name {n} layers, each {LINEAR!r} or {FULL!r}: {types}"
+            )
         # Newer configs nest rope settings in rope_parameters; older ones keep them at top level.
         rope = {**cfg, **(cfg.get("rope_parameters") or {})}
         if rope.get("rope_type", "default") != "default" or cfg.get("rope_scaling"):
@@ -112,7 +121,9 @@ class DecoderLayer(nn.Module):
                 a.rms_norm_eps,
                 state_layer,
             )
-        sparse = index not in a.mlp_only_layers and a.num_experts > 0 and (index + 1) % a.decoder_sparse_step == 0
+        sparse = (
+            index not in a.mlp_only_layers and a.num_experts > 0 and (index + 1) % a.decoder_sparse_step == 0
+        )
         self.mlp: nn.Module = (
             SparseMoe(
                 a.hidden_size,
@@ -187,12 +198,15 @@ class Qwen3NextForCausalLM(nn.Module):
         self.num_kv_heads = a.num_key_value_heads
         self.head_dim = a.head_dim
 
+    def _decoder_layers(self) -> list[DecoderLayer]:
+        return [m for m in self.model.layers if isinstance(m, DecoderLayer)]
+
     @property
     def mamba_spec(self) -> MambaSpec:
         """One Mamba slot: conv window ``[C, K-1]`` in the model dtype, recurrent state fp32."""
         if self.model.num_linear_layers == 0:
             raise ValueError("this Qwen3-Next config has no linear-attention layer, hence no Mamba state")
-        first = next(m.linear_attn for m in self.model.layers if m.linear_attn is not None)
+        first = next(m.linear_attn for m in self._decoder_layers() if m.linear_attn is not None)
         return MambaSpec(
             num_layers=self.model.num_linear_layers,
             conv_shape=first.conv_state_shape,

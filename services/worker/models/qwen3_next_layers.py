@@ -42,7 +42,7 @@ class PartialRotary:
     computed on first use, on the device of the positions, and cached per device.
     """
 
-    __slots__ = ("rotary_dim", "base", "_inv_freq")
+    __slots__ = ("_inv_freq", "base", "rotary_dim")
 
     def __init__(self, head_dim: int, partial_rotary_factor: float, base: float) -> None:
         self.rotary_dim = int(head_dim * partial_rotary_factor)
@@ -93,7 +93,9 @@ class GatedAttention(nn.Module):
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_attention_heads={num_heads} must be a multiple of num_key_value_heads={num_kv_heads}")
+            raise ValueError(
+                f"num_attention_heads={num_heads} must be a multiple of num_key_value_heads={num_kv_heads}"
+            )
         self.kv_layer = kv_layer
         self.hq, self.hkv, self.d = num_heads, num_kv_heads, head_dim
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim * 2, bias=bias)

@@ -1,0 +1,208 @@
+"""``strata bench``: run the side-by-side comparisons, write JSON + PNG, update docs/benchmarks.md.
+
+    strata bench                      everything, default sizes (~10 min on 2 CPU cores)
+    strata bench --quick              small sizes, one repeat (a smoke run, ~3 min)
+    strata bench --only cache --only stack --repeats 3
+
+The default model is ``models/qwen3-bench``; a missing ``models/<arch>-bench`` is generated first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from services.bench.workloads import MultiTurnSpec, RandomSpec, SharedPrefixSpec
+
+DEFAULT_MODEL = "models/qwen3-bench"
+SECTION_NAMES = ("cache", "multi_turn", "stack", "hf", "profile")
+
+# Workload sizes: default and --quick. Explicit size flags override either.
+DEFAULT: dict[str, Any] = {
+    "random": RandomSpec(count=64, input_len=256, output_len=32),
+    "shared": SharedPrefixSpec(
+        groups=4, prompts_per_group=16, system_len=512, question_len=32, output_len=32
+    ),
+    "multi": MultiTurnSpec(clients=8, rounds=4, request_len=64, output_len=32, max_parallel=8),
+}
+QUICK: dict[str, Any] = {
+    "random": RandomSpec(count=16, input_len=128, output_len=16),
+    "shared": SharedPrefixSpec(groups=2, prompts_per_group=8, system_len=256, question_len=16, output_len=16),
+    "multi": MultiTurnSpec(clients=4, rounds=3, request_len=32, output_len=16, max_parallel=4),
+}
+_SIZE_FLAGS = {  # flag suffix -> (spec key, field)
+    "random-count": ("random", "count"),
+    "random-input-len": ("random", "input_len"),
+    "random-output-len": ("random", "output_len"),
+    "shared-groups": ("shared", "groups"),
+    "shared-prompts-per-group": ("shared", "prompts_per_group"),
+    "shared-system-len": ("shared", "system_len"),
+    "shared-question-len": ("shared", "question_len"),
+    "shared-output-len": ("shared", "output_len"),
+    "multi-clients": ("multi", "clients"),
+    "multi-rounds": ("multi", "rounds"),
+    "multi-request-len": ("multi", "request_len"),
+    "multi-output-len": ("multi", "output_len"),
+    "multi-max-parallel": ("multi", "max_parallel"),
+}
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``bench`` to ``subparsers`` (from ``ArgumentParser.add_subparsers``); returns it."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "bench",
+        help="benchmarks: cache on/off, gRPC vs in-process, Strata vs transformers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL, help="Hugging Face model directory")
+    p.add_argument("--quick", action="store_true", help="small workloads and one repeat")
+    p.add_argument(
+        "--only",
+        action="append",
+        choices=SECTION_NAMES,
+        default=None,
+        help="run only this section (repeatable); default: all",
+    )
+    p.add_argument("--skip", action="append", choices=SECTION_NAMES, default=[], help="skip this section")
+    p.add_argument("--concurrency", type=int, default=64, help="requests in flight per run")
+    p.add_argument(
+        "--repeats", type=int, default=None, help="alternating repeats per ratio (default 2, quick 1)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-bytes", type=int, default=384 << 20, help="KV pool of every engine")
+    p.add_argument("--max-rows", type=int, default=64, help="worker rows = scheduler max running")
+    p.add_argument("--max-prefill-tokens", type=int, default=2048, help="prefill budget per step")
+    p.add_argument("--hf-batch-size", type=int, default=16, help="batch size of transformers generate")
+    p.add_argument("--no-hf-continuous", action="store_true", help="skip transformers continuous batching")
+    p.add_argument(
+        "--multi-rate", type=float, default=None, help="multi-turn requests/s (default: unbounded)"
+    )
+    for flag, (_, field) in _SIZE_FLAGS.items():
+        p.add_argument(
+            f"--{flag}", type=int, default=None, dest=flag.replace("-", "_"), help=f"workload {field}"
+        )
+    p.add_argument("--out-dir", default="docs/bench", help="where results.json and the PNGs go")
+    p.add_argument("--doc", default="docs/benchmarks.md", help="page whose generated block is updated")
+    p.add_argument("--no-doc", action="store_true", help="do not touch --doc")
+    p.add_argument("--run-dir", default="", help="logs of the gRPC stack (default: a temporary folder)")
+    return p
+
+
+def _specs(args: argparse.Namespace) -> dict[str, Any]:
+    specs = dict(QUICK if args.quick else DEFAULT)
+    for flag, (key, field) in _SIZE_FLAGS.items():
+        value = getattr(args, flag.replace("-", "_"))
+        if value is not None:
+            specs[key] = dataclasses.replace(specs[key], **{field: value})
+    if args.multi_rate is not None:
+        specs["multi"] = dataclasses.replace(specs["multi"], request_rate=args.multi_rate)
+    return specs
+
+
+def _ensure_model(model: Path) -> Path:
+    if (model / "config.json").exists():
+        return model
+    arch = model.name.removesuffix("-bench")
+    if model.name.endswith("-bench") and arch in ("qwen3", "qwen3-next"):
+        from services.worker.tiny import write_tiny_checkpoint
+
+        print(f"generating the bench-size {arch} checkpoint into {model}", flush=True)
+        return write_tiny_checkpoint(arch, "bench", model)  # type: ignore[arg-type]
+    raise FileNotFoundError(f"{model} has no config.json; run `strata model tiny --size bench --out {model}`")
+
+
+def machine_info(model: Path) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [
+            ln.split(":", 1)[1].strip()
+            for ln in cpuinfo.read_text().splitlines()
+            if ln.startswith("model name")
+        ]
+        cpu = names[0] if names else cpu
+    weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    return {
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_start": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+        "gpu": "none (no GPU was lent to this run)"
+        if not torch.cuda.is_available()
+        else torch.cuda.get_device_name(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "params_m": round(weights / 4 / 1e6, 1),  # fp32 checkpoints
+    }
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run the selected sections; write ``<out-dir>/results.json`` and PNGs and update ``--doc``.
+    Returns 0 when the run completed (missed goals are reported, not failures), 2 on bad input."""
+    from services.bench import report
+    from services.bench.suite import SECTIONS, BenchConfig, Suite
+
+    try:
+        model = _ensure_model(Path(args.model))
+    except FileNotFoundError as e:
+        print(f"strata bench: {e}", file=sys.stderr)
+        return 2
+    chosen = [s for s in SECTIONS if (args.only is None or s in args.only) and s not in args.skip]
+    specs = _specs(args)
+    cfg = BenchConfig(
+        model=model,
+        sections=tuple(chosen),
+        seed=args.seed,
+        concurrency=args.concurrency,
+        repeats=args.repeats if args.repeats is not None else (1 if args.quick else 2),
+        kv_cache_bytes=args.kv_cache_bytes,
+        max_rows=args.max_rows,
+        max_prefill_tokens=args.max_prefill_tokens,
+        hf_batch_size=args.hf_batch_size,
+        hf_continuous=not args.no_hf_continuous,
+        random=specs["random"],
+        shared=specs["shared"],
+        multi=specs["multi"],
+        run_dir=Path(args.run_dir) if args.run_dir else None,
+    )
+    t0 = time.perf_counter()
+    print(f"strata bench: {model}, sections {', '.join(chosen)}", flush=True)
+    results = Suite(cfg, machine_info(model), say=lambda line: print(line, flush=True)).run()
+    out = Path(args.out_dir)
+    written = [report.write_json(results, out / "results.json"), *report.write_plots(results, out)]
+    if not args.no_doc:
+        doc = Path(args.doc)
+        rel = os.path.relpath(out, doc.parent)
+        written.append(report.update_doc(doc, report.markdown(results, plot_dir=rel)))
+    for path in written:
+        print(f"wrote {path}")
+    missed = [c for c in results.comparisons if c.met is False]
+    for c in missed:
+        print(f"goal missed: {c.name}: {c.value:.3f} < {c.goal}")
+    print(f"strata bench: done in {(time.perf_counter() - t0) / 60:.1f} min")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (``python -m services.bench.cli``) until ``strata bench`` is wired."""
+    parser = argparse.ArgumentParser(prog="strata")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_bench_parser(sub)
+    return run_bench(parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

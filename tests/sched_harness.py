@@ -1,0 +1,75 @@
+"""Run the real scheduler loop against the real engine in one process (no gRPC), for tests."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+from strata.v1 import strata_pb2 as pb
+
+from services.common import validation
+from services.scheduler.loop import LoopConfig, SchedulerLoop
+from services.scheduler.request import FinishEvent, Req, TokenEvent
+from services.scheduler.worker_link import InProcessWorkerLink
+from services.worker.engine import Engine, EngineConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    ids: list[int]
+    finish: str
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    prompt: list[int]
+    max_new_tokens: int = 8
+    ignore_eos: bool = True
+    salt: str = ""
+    delay_s: float = 0.0
+
+
+async def _one(loop: SchedulerLoop, rid: str, spec: Spec) -> Outcome:
+    if spec.delay_s:
+        await asyncio.sleep(spec.delay_s)
+    sp = pb.SamplingParams(temperature=0.0, max_new_tokens=spec.max_new_tokens, ignore_eos=spec.ignore_eos)
+    gen = validation.generation(sp, len(spec.prompt), loop.limits(), False, 0)
+    req = Req(rid, list(spec.prompt), gen, seed=0, cache_salt=spec.salt)
+    loop.submit(req)
+    ids: list[int] = []
+    while True:
+        ev = await req.events.get()
+        if isinstance(ev, TokenEvent):
+            ids += ev.token_ids
+        elif isinstance(ev, FinishEvent):
+            loop.forget(rid)
+            return Outcome(ids, ev.reason.value, ev.prompt_tokens, ev.cached_tokens)
+
+
+def run(
+    engine: Engine, specs: list[Spec], cfg: LoopConfig, waves: int = 1
+) -> tuple[list[Outcome], SchedulerLoop]:
+    """Submit every spec at once (``waves`` times in sequence); returns outcomes in spec order."""
+
+    async def main() -> tuple[list[Outcome], SchedulerLoop]:
+        loop = SchedulerLoop(cfg)
+        loop.attach(InProcessWorkerLink(engine))
+        stop = asyncio.Event()
+        task = asyncio.create_task(loop.run(stop))
+        outs: list[Outcome] = []
+        try:
+            for w in range(waves):
+                outs += await asyncio.gather(*(_one(loop, f"w{w}-r{i}", s) for i, s in enumerate(specs)))
+        finally:
+            stop.set()
+            await task
+        return outs, loop
+
+    return asyncio.run(main())
+
+
+def engine(model: Path, kv_cache_bytes: int = 1 << 22, max_rows: int = 32) -> Engine:
+    return Engine(model, EngineConfig(kv_cache_bytes=kv_cache_bytes, max_rows=max_rows))
