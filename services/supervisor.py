@@ -126,7 +126,7 @@ def start_stack(
         specs = [
             ("kvstore", [*_module("kvstore"), *e, *kvstore_args]),
             ("worker", [*_module("worker"), "--model", str(model), *e, *common_args, *worker_args]),
-            ("scheduler", [*_module("scheduler"), *e, *common_args, *scheduler_args]),
+            ("scheduler", [*_module("scheduler"), "--tokenizer", str(model), *e, *common_args, *scheduler_args]),
             (
                 "tokenizer",
                 [*_module("tokenizer"), "--model", str(model), "--port", str(port), *e, *common_args],

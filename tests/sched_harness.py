@@ -30,14 +30,19 @@ class Spec:
     ignore_eos: bool = True
     salt: str = ""
     delay_s: float = 0.0
+    temperature: float = 0.0
+    seed: int = 0
+    grammar: object = None  # a Matcher, used by one request only
 
 
 async def _one(loop: SchedulerLoop, rid: str, spec: Spec) -> Outcome:
     if spec.delay_s:
         await asyncio.sleep(spec.delay_s)
-    sp = pb.SamplingParams(temperature=0.0, max_new_tokens=spec.max_new_tokens, ignore_eos=spec.ignore_eos)
+    sp = pb.SamplingParams(
+        temperature=spec.temperature, max_new_tokens=spec.max_new_tokens, ignore_eos=spec.ignore_eos
+    )
     gen = validation.generation(sp, len(spec.prompt), loop.limits(), False, 0)
-    req = Req(rid, list(spec.prompt), gen, seed=0, cache_salt=spec.salt)
+    req = Req(rid, list(spec.prompt), gen, seed=spec.seed, cache_salt=spec.salt, grammar=spec.grammar)
     loop.submit(req)
     ids: list[int] = []
     while True:

@@ -12,9 +12,8 @@ import pytest
 
 from services.bench import report
 from services.bench.cli import add_bench_parser, run_bench
-from services.bench.metrics import RequestRecord, percentile, summarize
+from services.bench.metrics import BenchResults, Comparison, RequestRecord, percentile, summarize
 from services.bench.runner import InProcessBackend, replay
-from services.bench.suite import BenchResults, Comparison
 from services.bench.workloads import (
     FIRST_ID,
     MultiTurnSpec,

@@ -11,6 +11,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -230,3 +231,17 @@ def test_worker_killed_leaves_discovery_and_restart_is_used(stack: Stack, api: p
     worker.wait_ready(120)
     got = _collect(api.Generate(pb.GenerateRequest(text="hi", sampling=_greedy(3, ignore_eos=True))))[0]
     assert len(got) == 3
+
+
+def test_constrained_generation_through_the_api(api: pgrpc.StrataStub) -> None:
+    regex = r"(yes|no), [a-z]{2,5}\."
+    sp = pb.SamplingParams(temperature=1.0, max_new_tokens=64, seed=5)
+    for i in range(3):
+        sp.seed = i
+        _, text, last = _collect(api.Generate(pb.GenerateRequest(text="Answer:", sampling=sp, regex=regex)))
+        assert last.finish_reason == pb.FINISH_REASON_STOP
+        assert re.fullmatch(regex, text), text
+    with pytest.raises(grpc.RpcError) as err:
+        list(api.Generate(pb.GenerateRequest(text="x", sampling=sp, json_schema="{not json")))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "constraint.json_schema" in err.value.details()

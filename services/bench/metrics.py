@@ -132,3 +132,30 @@ def summarize(
         # The public usage does not split tiers yet: every reported hit counts as device.
         hits_by_tier={"device": cached} if reports_cache else {},
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    """``value`` = metric of ``a`` / metric of ``b`` (or an absolute ratio when ``b`` is empty)."""
+
+    name: str
+    metric: str
+    a: str
+    b: str
+    value: float
+    goal: float | None
+
+    @property
+    def met(self) -> bool | None:
+        return None if self.goal is None else self.value >= self.goal
+
+
+@dataclass(slots=True)
+class BenchResults:
+    config: dict[str, Any]
+    machine: dict[str, Any]
+    runs: list[RunMetrics] = field(default_factory=list)
+    comparisons: list[Comparison] = field(default_factory=list)
+    profile: str = ""
+    notes: list[str] = field(default_factory=list)
+    elapsed_s: float = 0.0

@@ -16,9 +16,6 @@ so slow drift of a shared machine hits both sides alike. Every in-process run ge
 from __future__ import annotations
 
 import asyncio
-import cProfile
-import io
-import pstats
 import statistics
 import tempfile
 import time
@@ -29,12 +26,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from services.bench import hf
-from services.bench.metrics import RunMetrics, summarize
+from services.bench.metrics import BenchResults, Comparison, RunMetrics, summarize
+from services.bench.profile import profile_in_process
 from services.bench.runner import (
     Backend,
     GrpcBackend,
     InProcessBackend,
-    ProfiledEngine,
     Say,
     replay,
     warm_up,
@@ -73,33 +70,6 @@ class BenchConfig:
     run_dir: Path | None = None  # stack logs; None = a temporary folder
 
 
-@dataclass(frozen=True, slots=True)
-class Comparison:
-    """``value`` = metric of ``a`` / metric of ``b`` (or an absolute ratio when ``b`` is empty)."""
-
-    name: str
-    metric: str
-    a: str
-    b: str
-    value: float
-    goal: float | None
-
-    @property
-    def met(self) -> bool | None:
-        return None if self.goal is None else self.value >= self.goal
-
-
-@dataclass(slots=True)
-class BenchResults:
-    config: dict[str, Any]
-    machine: dict[str, Any]
-    runs: list[RunMetrics] = field(default_factory=list)
-    comparisons: list[Comparison] = field(default_factory=list)
-    profile: str = ""
-    notes: list[str] = field(default_factory=list)
-    elapsed_s: float = 0.0
-
-
 class Suite:
     def __init__(self, cfg: BenchConfig, machine: dict[str, Any], say: Say = print) -> None:
         from services.worker.loader import load_model  # noqa: F401 (fail early without torch)
@@ -108,6 +78,7 @@ class Suite:
         self.say = say
         self.results = BenchResults(config=_config_json(cfg), machine=machine)
         self.vocab = _vocab_size(cfg.model)
+        self._stack_runs: list[RunMetrics] | None = None  # reused by the hf section
 
     # -- plumbing -------------------------------------------------------------------------------
     def _loop_cfg(self, cache: str) -> LoopConfig:
@@ -122,7 +93,9 @@ class Suite:
             self.cfg.model, EngineConfig(kv_cache_bytes=self.cfg.kv_cache_bytes, max_rows=self.cfg.max_rows)
         )
 
-    def _record(self, label: str, records: list[Any], duration: float, reports_cache: bool = True) -> RunMetrics:
+    def _record(
+        self, label: str, records: list[Any], duration: float, reports_cache: bool = True
+    ) -> RunMetrics:
         m = summarize(label, records, duration, reports_cache)
         self.results.runs.append(m)
         hit = f", cache hit {m.cache_hit_rate:.1%}" if m.cache_hit_rate is not None else ""
@@ -289,21 +262,19 @@ class Suite:
 
     def section_hf(self) -> None:
         s = shared_prefix_workload(self.cfg.shared, self.vocab, self.cfg.seed)
-        strata = getattr(self, "_stack_runs", None)
+        strata = self._stack_runs
         if strata is None:
             with self.stack() as address:
                 strata = [self.over_grpc("shared prefix · gRPC stack #1", address, s)]
         model = hf.load_hf_model(self.cfg.model)
         bs = self.cfg.hf_batch_size
-        batched = self._record(
-            f"shared prefix · transformers generate (batch {bs})", *hf.hf_batched(model, s, bs, self.say)
-        )
+        recs, duration = hf.hf_batched(model, s, bs, self.say)
+        batched = self._record(f"shared prefix · transformers generate (batch {bs})", recs, duration, False)
         self.ratio("Strata (gRPC stack) / transformers generate", strata, [batched], 3.0)
         if self.cfg.hf_continuous:
             try:
-                cont = self._record(
-                    "shared prefix · transformers continuous batching", *hf.hf_continuous(model, s, self.say)
-                )
+                recs, duration = hf.hf_continuous(model, s, self.say)
+                cont = self._record("shared prefix · transformers continuous batching", recs, duration, False)
             except Exception as e:  # an optional reference: say why it could not run, keep going
                 self.results.notes.append(f"transformers continuous batching failed: {e!r}")
                 self.say(f"  transformers continuous batching failed: {e!r}")
@@ -311,34 +282,12 @@ class Suite:
                 self.ratio("Strata (gRPC stack) / transformers continuous batching", strata, [cont], 3.0)
 
     def section_profile(self) -> None:
-        """Two profiles of one in-process shared-prefix run: the event-loop thread (scheduler,
-        asyncio, the driver) and the engine thread (forward + sample), each by own time."""
         s = shared_prefix_workload(self.cfg.shared, self.vocab, self.cfg.seed)
-        loop_prof, engine_prof = cProfile.Profile(), cProfile.Profile()
-        engine = ProfiledEngine(self._engine(), engine_prof)
-
-        async def go() -> tuple[list[Any], float]:
-            async with InProcessBackend(engine, self._loop_cfg("radix"), "profile") as b:
-                await warm_up(b, self.vocab)
-                return await replay(b, s, self.cfg.concurrency)
-
-        loop_prof.enable()
-        records, duration = asyncio.run(go())
-        loop_prof.disable()
-        m = summarize("profile", records, duration)
-        parts = [f"run: {m.requests} requests in {duration:.2f}s ({m.total_throughput:.0f} tok/s total)"]
-        for name, prof in (("engine thread (Engine.step)", engine_prof), ("event-loop thread", loop_prof)):
-            buf = io.StringIO()
-            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(PROFILE_TOP)
-            parts.append(f"--- {name}\n{_trim_profile(buf.getvalue())}")
-        self.results.profile = "\n".join(parts)
-        self.say(f"  profiled the in-process shared-prefix run ({duration:.1f}s)")
-
-
-def _trim_profile(text: str) -> str:
-    lines = text.splitlines()
-    start = next((i for i, ln in enumerate(lines) if "function calls" in ln), 0)
-    return "\n".join(ln.replace(str(Path.cwd()) + "/", "") for ln in lines[start:] if ln.strip())
+        t0 = time.perf_counter()
+        self.results.profile = profile_in_process(
+            self._engine(), self._loop_cfg("radix"), s, self.cfg.concurrency, self.vocab, PROFILE_TOP
+        )
+        self.say(f"  profiled the in-process shared-prefix run ({time.perf_counter() - t0:.1f}s)")
 
 
 def _vocab_size(model: Path) -> int:

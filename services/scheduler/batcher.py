@@ -221,6 +221,8 @@ class Batcher:
             top_logprobs=req.gen.top_logprobs,
             trace_context=req.trace_context if not req.sent_history else {},
         )
+        if ri.sample and req.grammar is not None:
+            ri.token_bitmask = req.grammar.bitmask()
         if not req.sent_history and req.gen.sampling.has_penalties:
             ri.history_ids = seq[:start]
         req.sent_history = True
@@ -236,6 +238,10 @@ class Batcher:
         for req, (tok, lp) in zip(plan.sampled, sampled, strict=True):
             if req.finished is not None or req.aborted:
                 continue
+            if req.grammar is not None and not req.grammar.accept(tok):
+                # The worker applied the mask, so this is a bug somewhere: fail loudly.
+                self.finish(req, Finish.ERROR, f"sampled token {tok} violates the request's grammar")
+                continue
             req.output.append(tok)
             req.emit(TokenEvent((tok,), (lp,) if lp is not None else ()))  # type: ignore[arg-type]
             reason = self._stop_reason(req, tok)
@@ -246,12 +252,15 @@ class Batcher:
         g = req.gen
         if (tok in self.eos and not g.ignore_eos) or tok in g.stop_token_ids:
             return Finish.STOP
+        if req.grammar is not None and req.grammar.is_terminated():
+            return Finish.STOP  # the grammar can only end here (checked apart from ignore_eos)
         if len(req.output) >= g.max_new_tokens or len(req.seq) >= self.context_length:
             return Finish.LENGTH
         return None
 
     def finish(self, req: Req, reason: Finish, error: str = "") -> None:
         req.finished = reason
+        req.grammar = None  # the matcher's buffers go with the request
         self._release(req)
         if req in self.running:
             self.running.remove(req)

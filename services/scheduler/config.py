@@ -21,6 +21,8 @@ class SchedulerConfig:
     etcd: str = field(default="", metadata=_h("etcd endpoint host:port; empty = use --worker"))
     worker: str = field(default="", metadata=_h("a fixed worker address instead of etcd discovery"))
     model: str = field(default="", metadata=_h("serve only workers of this model name (empty = any)"))
+    tokenizer: str = field(default="", metadata=_h("model directory whose tokenizer compiles grammars"))
+    grammar_cache: int = field(default=64, metadata=_h("compiled grammars kept (LRU)"))
     cache: Literal["radix", "none"] = field(default="radix", metadata=_h("prefix cache"))
     eviction: Literal["lru", "lfu"] = field(default="lru", metadata=_h("prefix cache eviction order"))
     policy: Literal["fcfs", "lpm"] = field(default="fcfs", metadata=_h("admission order"))

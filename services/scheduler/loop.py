@@ -144,7 +144,8 @@ class SchedulerLoop:
         for req in reqs:
             if req.finished is None:
                 req.finished = Finish.ERROR
-                req.emit(FinishEvent(Finish.ERROR, len(req.prompt), len(req.output), req.cached_tokens, error))
+                ev = FinishEvent(Finish.ERROR, len(req.prompt), len(req.output), req.cached_tokens, error)
+                req.emit(ev)
         link, batcher = self.link, self.batcher
         assert link is not None and batcher is not None
         batcher.fail_all(error)

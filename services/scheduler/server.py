@@ -19,6 +19,7 @@ from services.common.errors import AlreadyExists, FailedPrecondition
 from services.common.metrics import start_metrics_server
 from services.common.server import Server, install_stop_signals, setup_logging
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.grammar import Constraint, GrammarService, Matcher
 from services.scheduler.loop import SchedulerLoop
 from services.scheduler.request import Finish, FinishEvent, Req, TokenEvent
 from services.scheduler.worker_link import GrpcWorkerLink, WorkerGone
@@ -37,8 +38,32 @@ _FINISH = {
 
 
 class SchedulerServicer(sgrpc.SchedulerServicer):
-    def __init__(self, loop: SchedulerLoop) -> None:
+    def __init__(self, loop: SchedulerLoop, tokenizer_dir: str = "", grammar_cache: int = 64) -> None:
         self.loop = loop
+        self._tokenizer_dir = tokenizer_dir
+        self._grammar_cache = grammar_cache
+        self._grammars: GrammarService | None = None
+
+    async def _matcher(self, c: spb.Constraint) -> Matcher | None:
+        """Compile (cached, off the event loop) before the request takes any slot; a bad grammar
+        is INVALID_ARGUMENT here."""
+        kind = c.WhichOneof("kind")
+        if kind is None:
+            return None
+        if not self._tokenizer_dir:
+            raise FailedPrecondition("constraint: this scheduler was started without --tokenizer")
+        info = self.loop.info
+        assert info is not None
+        if self._grammars is None:
+            self._grammars = await asyncio.to_thread(
+                GrammarService,
+                self._tokenizer_dir,
+                info.vocab_size,
+                stop_token_ids=list(info.eos_token_ids),
+                cache_size=self._grammar_cache,
+            )
+        compiled = await self._grammars.compile(Constraint(kind, getattr(c, kind)))
+        return compiled.matcher()
 
     async def Generate(
         self, request: spb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -51,14 +76,13 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
         gen = validation.generation(
             request.sampling, len(ids), limits, request.return_logprobs, request.top_logprobs
         )
-        if request.constraint.WhichOneof("kind"):
-            raise FailedPrecondition("constraint: structured output is not enabled on this scheduler yet")
+        matcher = await self._matcher(request.constraint)
         rid = request.request_id or uuid.uuid4().hex
         validation.check_request_id(rid)
         if rid in self.loop.requests:
             raise AlreadyExists(f"request_id: {rid!r} is already running")
         seed = gen.seed if gen.seed is not None else secrets.randbits(63)
-        req = Req(rid, ids, gen, seed, request.cache_salt, trace_context=telemetry.inject_context())
+        req = Req(rid, ids, gen, seed, request.cache_salt, trace_context=telemetry.inject_context(), grammar=matcher)
         self.loop.submit(req)
         try:
             while True:
@@ -155,9 +179,8 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event, ready: asyncio.Event 
     telemetry.setup_tracing("scheduler", cfg.trace_exporter, cfg.trace_target.replace("{service}", "scheduler"))
     loop = SchedulerLoop(cfg.loop())
     server = Server(telemetry.server_interceptors())
-    server.add(
-        sgrpc.add_SchedulerServicer_to_server, SchedulerServicer(loop), "strata.scheduler.v1.Scheduler"
-    )
+    servicer = SchedulerServicer(loop, cfg.tokenizer, cfg.grammar_cache)
+    server.add(sgrpc.add_SchedulerServicer_to_server, servicer, "strata.scheduler.v1.Scheduler")
     port = await server.start(f"{cfg.host}:{cfg.port}")
     address = f"{cfg.host}:{port}"
     if cfg.metrics_port >= 0:

@@ -33,6 +33,7 @@ from services.common.step import (
     StepError,
     StepRequest,
     StepResult,
+    WorkerInfo,
 )
 from services.worker.batch import BatchEntry, ForwardBatch, ForwardContext
 from services.worker.loader import fingerprint, load_model
@@ -81,27 +82,6 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_context must be >= 1 or None, got {self.max_context}")
         if self.mamba_slots < 0:
             raise ValueError(f"EngineConfig.mamba_slots must be >= 0, got {self.mamba_slots}")
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerInfo:
-    """Mirrors ``strata.worker.v1.WorkerInfo``."""
-
-    model: str
-    architecture: str
-    fingerprint: str
-    vocab_size: int
-    context_length: int
-    eos_token_ids: tuple[int, ...]
-    num_slots: int
-    bytes_per_slot: int
-    page_size: int
-    num_rows: int
-    num_mamba_slots: int
-    bytes_per_mamba_slot: int
-    dtype: str
-    hybrid: bool
-    device: str
 
 
 class Engine:

@@ -1,0 +1,260 @@
+"""The host (L2) tier of the hierarchical cache: KV pages in CPU memory, page-first.
+
+Layout (one block of host memory)::
+
+    pages   [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]   model dtype
+             ^ page p   ^ layer     ^ 0 = K, 1 = V
+
+so ``pages[p]`` — every layer's K and V for ``page_size`` tokens — is ONE contiguous run of
+``bytes_per_page`` bytes: it goes to and comes from the kvstore (L3) as a single buffer without a
+gather, and its bytes are exactly what the L3 key (``services.common.page_hash``, namespaced by
+``HostPool.layout``) stands for.
+
+The device pool (``KVPool``) is slot-first per layer, so copies between the tiers gather or scatter
+``page_size`` slots per page per layer. The scheduler decides which slots and host pages take part
+(the worker keeps no bookkeeping); ``HostPageAllocator`` is the bookkeeping it uses for host pages.
+
+Index tensors are built per call from the given lists and die with the call: nothing here keeps a
+view into a caller's free list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from services.worker.pools import KVPool
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class HostDoubleFreeError(ValueError):
+    """Freeing a host page that is not allocated (already freed, or never handed out)."""
+
+
+class HostPageAllocator:
+    """Host page ids ``0..num_pages-1``, lowest free first; all-or-nothing allocation.
+
+    Contract: ``alloc(n)`` returns n ascending ids or None (nothing taken) when fewer are free —
+    the pool is the bound, the caller evicts or skips the backup. ``free`` raises
+    ``HostDoubleFreeError`` and changes nothing if any id is not allocated or repeats.
+    """
+
+    __slots__ = ("_free", "_lowest_free", "_state", "num_pages")
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        self.num_pages = num_pages
+        self._state = bytearray(num_pages)  # 1 = allocated; bytearray.find scans in C
+        self._free = num_pages
+        self._lowest_free = 0
+
+    @property
+    def available(self) -> int:
+        return self._free
+
+    def is_allocated(self, page: int) -> bool:
+        return 0 <= page < self.num_pages and self._state[page] == 1
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative count ({n})")
+        if n > self._free:
+            return None
+        out: list[int] = []
+        pos = self._lowest_free
+        for _ in range(n):
+            pos = self._state.find(0, pos)
+            self._state[pos] = 1
+            out.append(pos)
+            pos += 1
+        self._free -= n
+        if n:
+            self._lowest_free = pos
+        return out
+
+    def free(self, pages: Sequence[int]) -> None:
+        if len(set(pages)) != len(pages):
+            raise HostDoubleFreeError("the same host page appears twice in one free call")
+        for p in pages:  # validate everything first, so a bad call leaves the state unchanged
+            if not self.is_allocated(p):
+                raise HostDoubleFreeError(f"host page {p} is not allocated (pool has {self.num_pages})")
+        for p in pages:
+            self._state[p] = 0
+        self._free += len(pages)
+        if pages:
+            self._lowest_free = min(self._lowest_free, min(pages))
+
+
+class HostPool:
+    """Page-first KV pages in host memory (see the module docstring for the layout).
+
+    Unwritten pages hold undefined bytes: a page is read only after ``backup`` or ``write_page``
+    filled it. ``pin_memory=True`` needs CUDA (page-locked memory makes device↔host copies DMA).
+    """
+
+    __slots__ = ("dtype", "head_dim", "num_kv_heads", "num_layers", "num_pages", "page_size", "pages")
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        pin_memory: bool = False,
+    ) -> None:
+        for name, value in (
+            ("num_pages", num_pages),
+            ("page_size", page_size),
+            ("num_layers", num_layers),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if value < 1:
+                raise ValueError(f"HostPool.{name} must be >= 1, got {value}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        shape = (num_pages, num_layers, 2, page_size, num_kv_heads, head_dim)
+        # empty, not zeros: a large host budget is then only committed as pages are written.
+        self.pages = torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
+
+    @staticmethod
+    def page_bytes_for(
+        page_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes of one page: every layer's K and V for ``page_size`` tokens."""
+        return 2 * page_size * num_layers * num_kv_heads * head_dim * _itemsize(dtype)
+
+    @classmethod
+    def from_budget(
+        cls,
+        budget_bytes: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        pin_memory: bool = False,
+    ) -> HostPool:
+        """The most pages that fit in ``budget_bytes``; ValueError when not even one does."""
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        per_page = cls.page_bytes_for(page_size, num_layers, num_kv_heads, head_dim, dtype)
+        num_pages = budget_bytes // per_page
+        if num_pages < 1:
+            raise ValueError(f"host_cache_bytes={budget_bytes} holds no page: one page needs {per_page} bytes")
+        return cls(num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, pin_memory)
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.page_bytes_for(self.page_size, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+
+    @property
+    def layout(self) -> str:
+        """Names everything that decides a page's bytes; goes into the page-hash namespace, so
+        pages written under another layout are never read back as this one."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (
+            f"page-first/L{self.num_layers}/H{self.num_kv_heads}/D{self.head_dim}/{dtype}/P{self.page_size}"
+        )
+
+    # --- device ↔ host --------------------------------------------------------------------------
+
+    def backup(self, kv: KVPool, slots: Sequence[int], host_pages: Sequence[int]) -> None:
+        """Copy device slots into host pages: ``slots[j*page_size:(j+1)*page_size]`` (in token
+        order) → ``host_pages[j]``, every layer, K and V. Synchronous: returns once the bytes are on
+        the host. Raises ValueError/IndexError for a mismatched pool or out-of-range indices."""
+        slot_idx, page_idx = self._indices(kv, slots, host_pages, unique="host_pages")
+        n, shape = len(host_pages), self._page_rows(len(host_pages))
+        if kv.device.type == "cpu":
+            for i in range(self.num_layers):
+                for j, src in enumerate((kv.k[i], kv.v[i])):
+                    # One gather from the pool, one scatter into the pages (ints select first, so
+                    # this is index_put_ over dim 0 of a strided view: no extra copy).
+                    self.pages[page_idx, i, j] = src.index_select(0, slot_idx).view(shape)
+            return
+        # Another device: assemble whole pages there, then one transfer of n contiguous pages.
+        staging = torch.empty((n, *self.pages.shape[1:]), dtype=self.dtype, device=kv.device)
+        for i in range(self.num_layers):
+            for j, src in enumerate((kv.k[i], kv.v[i])):
+                staging[:, i, j] = src.index_select(0, slot_idx).view(shape)
+        self.pages.index_copy_(0, page_idx, staging.cpu())
+
+    def load(self, kv: KVPool, host_pages: Sequence[int], slots: Sequence[int]) -> None:
+        """Copy host pages into device slots: ``host_pages[j]`` → ``slots[j*page_size:
+        (j+1)*page_size]``, every layer, K and V. Synchronous. Raises like ``backup``."""
+        slot_idx, page_idx = self._indices(kv, slots, host_pages, unique="slots")
+        n = len(host_pages)
+        rows = n * self.page_size
+        src = self.pages.index_select(0, page_idx)
+        if kv.device.type != "cpu":
+            src = src.to(kv.device)
+        for i in range(self.num_layers):
+            for j, dst in enumerate((kv.k[i], kv.v[i])):
+                dst.index_copy_(0, slot_idx, src[:, i, j].reshape(rows, self.num_kv_heads, self.head_dim))
+
+    # --- host ↔ kvstore (L3) --------------------------------------------------------------------
+
+    def page_bytes(self, host_page: int) -> memoryview:
+        """A zero-copy, read-only byte view of one page (``bytes_per_page`` long), to send to L3.
+
+        The view aliases the pool: it is only meaningful while the caller holds the page (a freed
+        page may be overwritten by the next backup), so drop it once the put has been sent.
+        """
+        return self._view(host_page).toreadonly()
+
+    def write_page(self, host_page: int, data: bytes | bytearray | memoryview) -> None:
+        """Overwrite one page with ``bytes_per_page`` bytes fetched from L3 (a single memcpy)."""
+        view = self._view(host_page)
+        if memoryview(data).nbytes != view.nbytes:
+            raise ValueError(f"page data is {memoryview(data).nbytes} bytes, a page is {view.nbytes}")
+        view[:] = memoryview(data).cast("B")
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _view(self, host_page: int) -> memoryview:
+        if not 0 <= host_page < self.num_pages:
+            raise IndexError(f"host page {host_page} out of range [0, {self.num_pages})")
+        # uint8 view of a contiguous page → numpy shares the storage → a flat byte memoryview.
+        return memoryview(self.pages[host_page].view(torch.uint8).reshape(-1).numpy())
+
+    def _page_rows(self, n: int) -> tuple[int, int, int, int]:
+        return (n, self.page_size, self.num_kv_heads, self.head_dim)
+
+    def _indices(
+        self, kv: KVPool, slots: Sequence[int], host_pages: Sequence[int], unique: Literal["host_pages", "slots"]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validate a transfer; returns owned int64 index tensors (slots on the pool's device)."""
+        if (kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.dtype) != (
+            self.num_layers, self.num_kv_heads, self.head_dim, self.dtype,
+        ):  # fmt: skip
+            raise ValueError(
+                f"KV pool (L{kv.num_layers}/H{kv.num_kv_heads}/D{kv.head_dim}/{kv.dtype}) does not "
+                f"match the host pool ({self.layout})"
+            )
+        if len(slots) != len(host_pages) * self.page_size:
+            raise ValueError(
+                f"{len(host_pages)} host pages need {len(host_pages) * self.page_size} slots, got {len(slots)}"
+            )
+        if host_pages and not 0 <= min(host_pages) <= max(host_pages) < self.num_pages:
+            raise IndexError(f"host pages out of range [0, {self.num_pages})")
+        if slots and not 0 <= min(slots) <= max(slots) < kv.num_slots:
+            raise IndexError(f"slots out of range [0, {kv.num_slots})")
+        # The destination of a copy must not repeat, or which source wins is undefined.
+        dst = host_pages if unique == "host_pages" else slots
+        if len(set(dst)) != len(dst):
+            raise ValueError(f"{unique} repeat an index; each destination must be written once")
+        slot_idx = torch.tensor(slots, dtype=torch.int64, device=kv.device)
+        page_idx = torch.tensor(host_pages, dtype=torch.int64)
+        return slot_idx, page_idx
