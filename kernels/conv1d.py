@@ -107,7 +107,7 @@ def _update_kernel(
     idx = tl.load(state_indices + b)
     base = conv_state + idx * (C * KS) + offs_c * KS
     x_t = tl.load(x + b * stride_xb + offs_c, mask=c_mask, other=0.0)
-    if HAS_BIAS:
+    if HAS_BIAS:  # noqa: SIM108 - a constexpr branch reads clearer in Triton
         acc = tl.load(bias + offs_c, mask=c_mask, other=0.0).to(tl.float32)
     else:
         acc = tl.zeros([BLOCK_C], tl.float32)

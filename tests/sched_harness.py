@@ -6,13 +6,12 @@ import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 
-from strata.v1 import strata_pb2 as pb
-
 from services.common import validation
 from services.scheduler.loop import LoopConfig, SchedulerLoop
 from services.scheduler.request import FinishEvent, Req, TokenEvent
 from services.scheduler.worker_link import InProcessWorkerLink
 from services.worker.engine import Engine, EngineConfig
+from strata.v1 import strata_pb2 as pb
 
 
 @dataclass(frozen=True, slots=True)

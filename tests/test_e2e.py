@@ -19,14 +19,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-from strata.scheduler.v1 import scheduler_pb2 as spb
-from strata.scheduler.v1 import scheduler_pb2_grpc as sgrpc
-from strata.v1 import strata_pb2 as pb
-from strata.v1 import strata_pb2_grpc as pgrpc
 
 from services.common.discovery import Discovery
 from services.common.etcd_proc import free_port
 from services.supervisor import Stack, start_stack
+from strata.scheduler.v1 import scheduler_pb2 as spb
+from strata.scheduler.v1 import scheduler_pb2_grpc as sgrpc
+from strata.v1 import strata_pb2 as pb
+from strata.v1 import strata_pb2_grpc as pgrpc
 from tests.reference import hf_greedy, hf_tokenizer
 
 PROMPTS = ["The cache keeps", "Once upon a time the server", "tokens and pages"]

@@ -15,12 +15,14 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar, cast
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from services.common import config as common_config
 from services.common import telemetry
 from services.common.discovery import Registration as EtcdRegistration
 from services.common.discovery import ServiceRecord
 from services.common.errors import InvalidArgument
+from services.common.metrics import MetricFactory, start_metrics_server
 from services.common.server import Server, install_stop_signals, setup_logging
 from services.kvstore.backends import Backend, FileBackend, MemoryBackend, check_keys
 from services.kvstore.config import KVStoreConfig
@@ -136,6 +138,23 @@ def build_server(
     return server, servicer
 
 
+def _metrics(backend: Backend) -> CollectorRegistry:
+    """Gauges read from the backend's own counters at scrape time."""
+    registry = CollectorRegistry()
+    m = MetricFactory(registry, "kvstore")
+    fields = {
+        "used_bytes": "Bytes of page data held.",
+        "capacity_bytes": "Configured byte cap.",
+        "pages": "Pages held.",
+        "hits": "Pages found by Get since start.",
+        "misses": "Pages missing in Get since start.",
+        "evictions": "Pages evicted since start.",
+    }
+    for name, doc in fields.items():
+        m.gauge(name, doc).set_function(lambda name=name: float(getattr(backend.stats(), name)))  # type: ignore[misc]
+    return registry
+
+
 @contextlib.asynccontextmanager
 async def etcd_registration(cfg: KVStoreConfig, port: int) -> AsyncIterator[None]:
     """Publish this shard under ``/strata/v1/services/kvstore/<id>`` for as long as it serves."""
@@ -158,7 +177,9 @@ async def serve(cfg: KVStoreConfig, stop: asyncio.Event, registration: Registrat
         registration = etcd_registration
     exporter = cast(Any, cfg.trace_exporter)
     telemetry.setup_tracing("kvstore", exporter, cfg.trace_target.replace("{service}", "kvstore"))
-    server, _ = build_server(cfg, telemetry.server_interceptors())
+    server, servicer = build_server(cfg, telemetry.server_interceptors())
+    if cfg.metrics_port >= 0:
+        start_metrics_server(cfg.metrics_port, _metrics(servicer.backend))
     port = await server.start(f"{cfg.host}:{cfg.port}")
     log.info("kvstore serving on %s:%d (%s, %d bytes)", cfg.host, port, cfg.backend, cfg.capacity_bytes)
     try:

@@ -83,6 +83,7 @@ class Batcher:
         self.step_id = 0
         self.retractions = 0
         self.cached_tokens = 0  # Σ prompt tokens reused on first admission
+        self.prompt_tokens = 0  # Σ prompt tokens on first admission
         self.held_back = 0  # admissions deferred to wait for a sibling's prefix
 
     @property
@@ -173,6 +174,7 @@ class Batcher:
             if req.first_admission:
                 req.cached_tokens = matched
                 self.cached_tokens += matched
+                self.prompt_tokens += len(req.prompt)
                 req.first_admission = False
             self.running.append(req)
             inputs.append((req, chunk))

@@ -21,6 +21,7 @@ from services.common.step import WorkerInfo
 from services.common.validation import Limits
 from services.scheduler.batcher import Batcher, BatchLimits
 from services.scheduler.memory import KVMemory
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.request import Finish, FinishEvent, Req
 from services.scheduler.worker_link import WorkerGone, WorkerLink
 
@@ -47,8 +48,9 @@ class Counters:
 
 
 class SchedulerLoop:
-    def __init__(self, cfg: LoopConfig) -> None:
+    def __init__(self, cfg: LoopConfig, metrics: SchedulerMetrics | None = None) -> None:
         self.cfg = cfg
+        self.metrics = metrics
         self.link: WorkerLink | None = None
         self.batcher: Batcher | None = None
         self.requests: dict[str, Req] = {}
@@ -76,6 +78,8 @@ class SchedulerLoop:
             batcher.waiting.append(req)
         self._orphans = []
         self.link, self.batcher = link, batcher
+        if self.metrics is not None:
+            self.metrics.reset()
         self._ready.set()
         self._wake.set()
         log.info("attached worker %s: %d slots, %d rows", info.model, info.num_slots, info.num_rows)
@@ -183,7 +187,10 @@ class SchedulerLoop:
                 log.exception("step %d failed", plan.step.step_id)
                 self._fail_step(plan.reqs, f"internal error in step {plan.step.step_id}: {e!r}")
                 continue
-            self.counters.busy_s += time.perf_counter() - t0
+            step_s = time.perf_counter() - t0
+            self.counters.busy_s += step_s
+            if self.metrics is not None:
+                self.metrics.observe(batcher, plan, result, step_s)
             self.counters.steps += 1
             self.counters.generated_tokens += len(result.outputs)
             # Let servicers stream what was just produced before planning the next step.

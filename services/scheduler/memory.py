@@ -40,6 +40,7 @@ class KVMemory:
         self.page_size = page_size
         self.slots = SlotAllocator(num_slots, page_size)
         self.rows = RowAllocator(num_rows)
+        self.evicted = 0  # slots evicted from the cache so far
         self.cache: PrefixCache = (
             RadixCache(page_size, self.slots.free, policy=policy)  # type: ignore[arg-type]
             if cache == "radix"
@@ -100,7 +101,7 @@ class KVMemory:
         return got
 
     def _evict(self, n: int) -> None:
-        self.cache.evict(n)  # frees through the allocator callback
+        self.evicted += self.cache.evict(n)  # frees through the allocator callback
 
     # -- releasing ------------------------------------------------------------------------------
     def cache_and_release(self, req: Req) -> None:

@@ -11,6 +11,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from services.common import config as cfgmod
 from services.common import step_codec, telemetry, validation
@@ -21,6 +22,7 @@ from services.common.server import Server, install_stop_signals, setup_logging
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.grammar import Constraint, GrammarService, Matcher
 from services.scheduler.loop import SchedulerLoop
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.request import Finish, FinishEvent, Req, TokenEvent
 from services.scheduler.worker_link import GrpcWorkerLink, WorkerGone
 from strata.scheduler.v1 import scheduler_pb2 as spb
@@ -177,14 +179,15 @@ async def _manage_workers(cfg: SchedulerConfig, loop: SchedulerLoop, stop: async
 
 async def serve(cfg: SchedulerConfig, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
     telemetry.setup_tracing("scheduler", cfg.trace_exporter, cfg.trace_target.replace("{service}", "scheduler"))
-    loop = SchedulerLoop(cfg.loop())
+    registry = CollectorRegistry()
+    loop = SchedulerLoop(cfg.loop(), SchedulerMetrics(registry))
     server = Server(telemetry.server_interceptors())
     servicer = SchedulerServicer(loop, cfg.tokenizer, cfg.grammar_cache)
     server.add(sgrpc.add_SchedulerServicer_to_server, servicer, "strata.scheduler.v1.Scheduler")
     port = await server.start(f"{cfg.host}:{cfg.port}")
     address = f"{cfg.host}:{port}"
     if cfg.metrics_port >= 0:
-        start_metrics_server(cfg.metrics_port)
+        start_metrics_server(cfg.metrics_port, registry)
     registration = None
     if cfg.etcd:
         record = ServiceRecord("scheduler", cfg.instance_id or f"scheduler-{port}", address, model=cfg.model)

@@ -5,17 +5,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from services.common import config as cfgmod
 from services.common import telemetry, validation
 from services.common.discovery import ModelRegistry, Registration, ServiceRecord
 from services.common.errors import InvalidArgument, StrataError
-from services.common.metrics import start_metrics_server
+from services.common.metrics import MetricFactory, start_metrics_server
 from services.common.server import Server, install_stop_signals, setup_logging
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.detokenizer import IncrementalDetokenizer
@@ -38,8 +40,38 @@ class _Relay(StrataError):
         self.code = err.code()
 
 
+class TokenizerMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        m = MetricFactory(registry, "tokenizer")
+        self.requests = m.counter("requests", "Generate requests finished, by finish reason.", ["reason"])
+        self.prompt_tokens = m.counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.cached_tokens = m.counter("cached_tokens", "Prompt tokens served from a cache.")
+        self.completion_tokens = m.counter("completion_tokens", "Tokens generated.")
+        self.ttft_seconds = m.histogram("ttft_seconds", "Time to first token.")
+        self.latency_seconds = m.histogram("latency_seconds", "Time from request to last token.")
+
+    def finished(self, last: pb.GenerateResponse, t0: float, first: float | None) -> None:
+        name = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
+        self.requests.labels(name).inc()
+        self.prompt_tokens.inc(last.usage.prompt_tokens)
+        self.cached_tokens.inc(last.usage.cached_tokens)
+        self.completion_tokens.inc(last.usage.completion_tokens)
+        now = time.perf_counter()
+        if first is not None:
+            self.ttft_seconds.observe(first - t0)
+        self.latency_seconds.observe(now - t0)
+
+
 class StrataServicer(pgrpc.StrataServicer):
-    def __init__(self, tokenizer: object, card: ModelCard, router: Router, fingerprint: str = "") -> None:
+    def __init__(
+        self,
+        tokenizer: object,
+        card: ModelCard,
+        router: Router,
+        fingerprint: str = "",
+        metrics: TokenizerMetrics | None = None,
+    ) -> None:
+        self.metrics = metrics
         self.tok = tokenizer
         self.card = card
         self.router = router
@@ -48,7 +80,7 @@ class StrataServicer(pgrpc.StrataServicer):
         self._running: dict[str, str] = {}  # request id -> scheduler address
 
     # -- helpers --------------------------------------------------------------------------------
-    def _decode(self, ids: list[int] | tuple[int, ...]) -> str:
+    def _decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)  # type: ignore[attr-defined]
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
@@ -109,10 +141,12 @@ class StrataServicer(pgrpc.StrataServicer):
         completion = 0
         call = stub.Generate(sreq)
         self._running[rid] = address
+        t0, first = time.perf_counter(), None
         try:
             async for resp in call:
                 final = pb.GenerateResponse(request_id=rid)
                 if resp.token_ids:
+                    first = first or time.perf_counter()
                     chunk = detok.feed(resp.token_ids)
                     final.token_ids.extend(resp.token_ids)
                     final.logprobs.extend(resp.logprobs)
@@ -140,6 +174,8 @@ class StrataServicer(pgrpc.StrataServicer):
                     all_text.append(final.text)
                     all_lps += final.logprobs
                 if final.finish_reason:
+                    if self.metrics is not None:
+                        self.metrics.finished(final, t0, first)
                     if not request.stream:
                         yield pb.GenerateResponse(
                             request_id=rid,
@@ -199,7 +235,9 @@ class StrataServicer(pgrpc.StrataServicer):
 
 
 async def serve(cfg: TokenizerConfig, stop: asyncio.Event) -> None:
-    telemetry.setup_tracing("tokenizer", cfg.trace_exporter, cfg.trace_target.replace("{service}", "tokenizer"))
+    telemetry.setup_tracing(
+        "tokenizer", cfg.trace_exporter, cfg.trace_target.replace("{service}", "tokenizer")
+    )
     model_dir = Path(cfg.model)
     card = read_card(model_dir, cfg.model_name)
     tok = await asyncio.to_thread(load_tokenizer, model_dir)
@@ -211,13 +249,13 @@ async def serve(cfg: TokenizerConfig, stop: asyncio.Event) -> None:
     router = Router(cfg.scheduler, cfg.etcd, card.name, cfg.scheduler_wait_s)
     await router.start()
     server = Server(telemetry.server_interceptors())
-    server.add(
-        pgrpc.add_StrataServicer_to_server, StrataServicer(tok, card, router, fingerprint), "strata.v1.Strata"
-    )
+    registry = CollectorRegistry()
+    servicer = StrataServicer(tok, card, router, fingerprint, TokenizerMetrics(registry))
+    server.add(pgrpc.add_StrataServicer_to_server, servicer, "strata.v1.Strata")
     port = await server.start(f"{cfg.host}:{cfg.port}")
     address = f"{cfg.host}:{port}"
     if cfg.metrics_port >= 0:
-        start_metrics_server(cfg.metrics_port)
+        start_metrics_server(cfg.metrics_port, registry)
     registration = None
     if cfg.etcd:
         record = ServiceRecord("tokenizer", cfg.instance_id or f"tokenizer-{port}", address, card.name)

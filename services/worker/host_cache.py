@@ -21,7 +21,7 @@ view into a caller's free list.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -153,12 +153,16 @@ class HostPool:
         per_page = cls.page_bytes_for(page_size, num_layers, num_kv_heads, head_dim, dtype)
         num_pages = budget_bytes // per_page
         if num_pages < 1:
-            raise ValueError(f"host_cache_bytes={budget_bytes} holds no page: one page needs {per_page} bytes")
+            raise ValueError(
+                f"host_cache_bytes={budget_bytes} holds no page: one page needs {per_page} bytes"
+            )
         return cls(num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, pin_memory)
 
     @property
     def bytes_per_page(self) -> int:
-        return self.page_bytes_for(self.page_size, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        return self.page_bytes_for(
+            self.page_size, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype
+        )
 
     @property
     def layout(self) -> str:
@@ -227,13 +231,18 @@ class HostPool:
         if not 0 <= host_page < self.num_pages:
             raise IndexError(f"host page {host_page} out of range [0, {self.num_pages})")
         # uint8 view of a contiguous page → numpy shares the storage → a flat byte memoryview.
-        return memoryview(self.pages[host_page].view(torch.uint8).reshape(-1).numpy())
+        flat: Any = self.pages[host_page].view(torch.uint8).reshape(-1).numpy()  # numpy is a Buffer
+        return memoryview(flat)
 
     def _page_rows(self, n: int) -> tuple[int, int, int, int]:
         return (n, self.page_size, self.num_kv_heads, self.head_dim)
 
     def _indices(
-        self, kv: KVPool, slots: Sequence[int], host_pages: Sequence[int], unique: Literal["host_pages", "slots"]
+        self,
+        kv: KVPool,
+        slots: Sequence[int],
+        host_pages: Sequence[int],
+        unique: Literal["host_pages", "slots"],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Validate a transfer; returns owned int64 index tensors (slots on the pool's device)."""
         if (kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.dtype) != (
@@ -244,9 +253,8 @@ class HostPool:
                 f"match the host pool ({self.layout})"
             )
         if len(slots) != len(host_pages) * self.page_size:
-            raise ValueError(
-                f"{len(host_pages)} host pages need {len(host_pages) * self.page_size} slots, got {len(slots)}"
-            )
+            need = len(host_pages) * self.page_size
+            raise ValueError(f"{len(host_pages)} host pages need {need} slots, got {len(slots)}")
         if host_pages and not 0 <= min(host_pages) <= max(host_pages) < self.num_pages:
             raise IndexError(f"host pages out of range [0, {self.num_pages})")
         if slots and not 0 <= min(slots) <= max(slots) < kv.num_slots:

@@ -9,14 +9,15 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from services.common import config as cfgmod
 from services.common import step_codec, telemetry
 from services.common.discovery import ModelRegistry, Registration, ServiceRecord
 from services.common.errors import FailedPrecondition, InvalidArgument
-from services.common.metrics import start_metrics_server
+from services.common.metrics import MetricFactory, start_metrics_server
 from services.common.server import Server, install_stop_signals, setup_logging
-from services.common.step import StepRequest
+from services.common.step import StepRequest, StepResult
 from services.worker.config import WorkerConfig
 from services.worker.engine import Engine, EngineConfig
 from strata.worker.v1 import worker_pb2 as wpb
@@ -25,11 +26,31 @@ from strata.worker.v1 import worker_pb2_grpc as wgrpc
 log = logging.getLogger(__name__)
 
 
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        m = MetricFactory(registry, "worker")
+        self.steps = m.counter("steps", "Steps executed.")
+        self.tokens = m.counter("tokens", "Tokens run through the model, by kind.", ["kind"])
+        self.forward_seconds = m.histogram("forward_seconds", "Forward pass time per step.")
+        self.sample_seconds = m.histogram("sample_seconds", "Sampling time per step.")
+        self.idle_seconds = m.histogram("idle_seconds", "Time waiting for the next step.")
+
+    def observe(self, step: StepRequest, result: StepResult) -> None:
+        self.steps.inc()
+        new = sum(r.num_new for r in step.reqs)
+        self.tokens.labels("sampled").inc(len(result.outputs))
+        self.tokens.labels("computed").inc(new)
+        self.forward_seconds.observe(result.forward_s)
+        self.sample_seconds.observe(result.sample_s)
+        self.idle_seconds.observe(result.idle_s)
+
+
 class WorkerServicer(wgrpc.WorkerServicer):
     """Executes steps in order on the engine, one stream (one scheduler) at a time."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, metrics: WorkerMetrics | None = None) -> None:
         self.engine = engine
+        self.metrics = metrics
         self._busy = False
         self._tracer = telemetry.get_tracer("strata.worker")
 
@@ -50,6 +71,8 @@ class WorkerServicer(wgrpc.WorkerServicer):
                     raise InvalidArgument(f"step {msg.step_id}: {e}") from e
                 self._trace_new_requests(step)
                 result = await asyncio.to_thread(self.engine.step, step)
+                if self.metrics is not None:
+                    self.metrics.observe(step, result)
                 yield step_codec.result_to_pb(result)
         finally:
             self._busy = False
@@ -86,11 +109,13 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
         async with ModelRegistry(cfg.etcd) as models:  # refuses a different model under this name
             await models.claim(name, info.fingerprint, {"architecture": info.architecture})
     server = Server(telemetry.server_interceptors())
-    server.add(wgrpc.add_WorkerServicer_to_server, WorkerServicer(engine), "strata.worker.v1.Worker")
+    registry = CollectorRegistry()
+    servicer = WorkerServicer(engine, WorkerMetrics(registry))
+    server.add(wgrpc.add_WorkerServicer_to_server, servicer, "strata.worker.v1.Worker")
     port = await server.start(f"{cfg.host}:{cfg.port}")
     address = f"{cfg.host}:{port}"
     if cfg.metrics_port >= 0:
-        start_metrics_server(cfg.metrics_port)
+        start_metrics_server(cfg.metrics_port, registry)
     registration = None
     if cfg.etcd:
         capacity = {

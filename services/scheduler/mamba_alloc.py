@@ -1,0 +1,73 @@
+"""The scheduler's view of the Mamba state pool: which of the M state slots are in use.
+
+A *Mamba slot* holds one recurrent state (conv + temporal) in the worker's pool; ids are 0..M-1.
+Every slot is owned by exactly one of: the free list here, a running request (its private working
+state, or a fork it is about to donate), or the Mamba radix cache (a cached state). Invariant,
+checked in tests and whenever the server is idle:
+
+    available + cache.mamba_evictable + cache.mamba_protected + held by requests == size
+
+Sizing (see `min_mamba_slots`): at its peak one running request holds three slots at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.scheduler.allocator import DoubleFreeError, _PageBitmap
+
+# The most Mamba slots one running request can pin at the same moment:
+#   1. its own working state, which its forward passes update in place;
+#   2. the cached state it matched, locked until its copy-on-write into (1) has run;
+#   3. a fork of (1) it has allocated to donate to the tree as a checkpoint, before insert takes it.
+STATES_PER_RUNNING_REQUEST = 3
+
+
+def min_mamba_slots(max_running_requests: int) -> int:
+    """The smallest pool with which `max_running_requests` can never deadlock on Mamba slots, even
+    when every cached state is locked. Size the real pool as max(this, what memory allows): the
+    surplus is what the cache can keep."""
+    if max_running_requests < 0:
+        raise ValueError(f"max_running_requests must be >= 0, got {max_running_requests}")
+    return STATES_PER_RUNNING_REQUEST * max_running_requests
+
+
+class MambaSlotAllocator:
+    """A pool of `size` Mamba slots (0..size-1), handed out one at a time, lowest free first.
+
+    Contract:
+    - `alloc()` returns a free slot or None when none is free (never raises on exhaustion: the
+      caller evicts cached states with `MambaRadixCache.evict_mamba` or skips a checkpoint).
+    - `free(slot)` / `free_many(slots)` raise DoubleFreeError, changing nothing, when a slot is
+      free already or was never handed out. `free_many` is the `free_mamba` callback the cache
+      takes.
+    """
+
+    __slots__ = ("_slots", "size")
+
+    def __init__(self, size: int) -> None:
+        if size < 0:
+            raise ValueError(f"size must be >= 0, got {size}")
+        self.size = size
+        # The same first-fit bitmap as KV pages: one byte per slot doubles as the ownership record.
+        self._slots = _PageBitmap(size)
+
+    @property
+    def available(self) -> int:
+        return self._slots.free
+
+    def is_allocated(self, slot: int) -> bool:
+        return self._slots.is_used(slot)
+
+    def alloc(self) -> int | None:
+        got = self._slots.take(1)
+        return got[0] if got else None
+
+    def free(self, slot: int) -> None:
+        self._slots.give_back([slot])
+
+    def free_many(self, slots: Sequence[int]) -> None:
+        self._slots.give_back(slots)
+
+
+__all__ = ["STATES_PER_RUNNING_REQUEST", "DoubleFreeError", "MambaSlotAllocator", "min_mamba_slots"]

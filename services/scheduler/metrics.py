@@ -1,0 +1,70 @@
+"""Prometheus metrics and the periodic log line of the scheduler, updated once per step."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import CollectorRegistry
+
+from services.common.metrics import MetricFactory
+from services.common.step import StepResult
+from services.scheduler.batcher import Batcher, Plan
+
+log = logging.getLogger(__name__)
+
+LOG_EVERY_S = 10.0
+
+
+class SchedulerMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        m = MetricFactory(registry, "scheduler")
+        self.running = m.gauge("running_requests", "Requests holding a row (prefilling or decoding).")
+        self.waiting = m.gauge("waiting_requests", "Requests queued for admission.")
+        self.token_usage = m.gauge("token_usage", "Fraction of KV slots used by running requests.")
+        self.cache_slots = m.gauge("cache_slots", "KV slots held by the prefix cache.", ["state"])
+        self.prompt_tokens = m.counter("prompt_tokens", "Prompt tokens admitted (first admission).")
+        self.cache_hit_tokens = m.counter("cache_hit_tokens", "Prompt tokens reused from a cache.", ["tier"])
+        self.generated_tokens = m.counter("generated_tokens", "Tokens sampled.")
+        self.retractions = m.counter("retractions", "Requests preempted to free KV memory.")
+        self.evicted_slots = m.counter("evicted_slots", "KV slots evicted from the prefix cache.")
+        self.step_seconds = m.histogram("step_seconds", "Wall time of one step as seen by the scheduler.")
+        self.worker_forward_seconds = m.histogram(
+            "worker_forward_seconds", "Forward time reported by the worker."
+        )
+        self._last = (0, 0, 0, 0)  # cached tokens, retractions, evicted, prompt tokens already counted
+        self._last_log = time.monotonic()
+        self._tokens_since_log = 0
+
+    def observe(self, batcher: Batcher, plan: Plan, result: StepResult, step_s: float) -> None:
+        u = batcher.mem.usage()
+        self.running.set(len(batcher.running))
+        self.waiting.set(len(batcher.waiting))
+        self.token_usage.set(u.used_by_requests / max(u.size, 1))
+        self.cache_slots.labels("evictable").set(u.evictable)
+        self.cache_slots.labels("protected").set(u.protected)
+        cached, retracted, evicted, prompt = self._last
+        self.cache_hit_tokens.labels("device").inc(batcher.cached_tokens - cached)
+        self.retractions.inc(batcher.retractions - retracted)
+        self.evicted_slots.inc(batcher.mem.evicted - evicted)
+        self.prompt_tokens.inc(batcher.prompt_tokens - prompt)
+        self._last = (batcher.cached_tokens, batcher.retractions, batcher.mem.evicted, batcher.prompt_tokens)
+        self.generated_tokens.inc(len(result.outputs))
+        self.step_seconds.observe(step_s)
+        self.worker_forward_seconds.observe(result.forward_s)
+        self._tokens_since_log += len(result.outputs)
+        now = time.monotonic()
+        if now - self._last_log >= LOG_EVERY_S:
+            rate = self._tokens_since_log / (now - self._last_log)
+            hit = batcher.cached_tokens / max(batcher.prompt_tokens, 1)
+            log.info(
+                "running=%d waiting=%d token_usage=%.2f cache_hit=%.1f%% gen_throughput=%.1f tok/s "
+                "retractions=%d evicted_slots=%d",
+                len(batcher.running), len(batcher.waiting), u.used_by_requests / max(u.size, 1),
+                100 * hit, rate, batcher.retractions, batcher.mem.evicted,
+            )  # fmt: skip
+            self._last_log, self._tokens_since_log = now, 0
+
+    def reset(self) -> None:
+        """A new batcher (worker re-attached) starts its counters from zero."""
+        self._last = (0, 0, 0, 0)

@@ -1,0 +1,264 @@
+"""Elastic capacity of a worker's KV pool and Mamba pool under one memory budget (pure Python).
+
+The scheduler feeds ``Demand`` snapshots; the orchestrator proposes ``ResizePlan``s; the
+scheduler drains the tails that a plan releases and sends it to the worker as a ``PoolResize``
+step operation; when the worker acknowledges, the scheduler calls ``applied(plan)``.
+
+Policy, in units of whole pages (a *unit* is the smallest slot count whose bytes are whole
+pages, so every target commits and releases whole pages only):
+
+* floor  = max(minimum, live slots)         — never cut what running requests hold
+* want   = max(floor, (live + waiting) * (1 + headroom))
+* busy   : target = current while it serves live + waiting, else want — sticky: capacity is
+           kept while work flows and grows in headroom-sized steps (no thrash)
+* idle   : target = want                    — after ``idle_s`` without work, give memory back
+* over budget: cut slack above ``want`` first, then split what is left above the floors in
+  proportion to each pool's unmet want; floors are never cut.
+* a plan is proposed only when a target differs from the applied capacity (≥ one unit).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """One snapshot of what a worker's requests need (slot counts, seconds).
+
+    ``*_live`` is what cannot be released now: the allocator's high-water mark of slots held by
+    running requests or locked cache nodes (1 + the highest such slot, not a count, since only a
+    free *tail* can be released). Evictable cache is not live. ``*_waiting`` is what queued
+    requests need to be admitted. ``idle_for_s`` is the time since the last batch ran.
+    """
+
+    kv_live: int
+    kv_waiting: int
+    mamba_live: int
+    mamba_waiting: int
+    idle_for_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("kv_live", "kv_waiting", "mamba_live", "mamba_waiting"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"Demand.{name} must be >= 0, got {getattr(self, name)}")
+        if self.idle_for_s < 0:
+            raise ValueError(f"Demand.idle_for_s must be >= 0, got {self.idle_for_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class ResizePlan:
+    """Target capacities in slots; the worker applies shrinks before grows."""
+
+    kv_slots: int
+    mamba_slots: int
+
+
+class Orchestrator:
+    """Decides KV and Mamba pool capacities of one worker. Mutated only by ``set_budget`` and ``applied``."""
+
+    __slots__ = ("_budget", "_current", "_headroom", "_idle_s", "_kv_bytes", "_kv_unit", "_m_bytes",
+                 "_m_unit", "_min_kv", "_min_m", "page_bytes")
+
+    def __init__(
+        self,
+        total_budget_bytes: int,
+        kv_bytes_per_slot: int,
+        mamba_bytes_per_slot: int,
+        min_kv_slots: int,
+        min_mamba_slots: int,
+        page_bytes: int,
+        *,
+        kv_slot_multiple: int = 1,
+        mamba_slot_multiple: int = 1,
+        idle_s: float = 30.0,
+        headroom: float = 0.25,
+        initial: ResizePlan | None = None,
+    ) -> None:
+        """``*_slot_multiple`` adds alignment a unit must also respect (the scheduler's KV page
+        size, ``ElasticPoolLayout.slot_granularity``). ``initial`` is the capacity the worker
+        starts with (default: the minimums); it must fit the budget."""
+        for name, value in (("kv_bytes_per_slot", kv_bytes_per_slot), ("mamba_bytes_per_slot", mamba_bytes_per_slot),
+                            ("page_bytes", page_bytes), ("kv_slot_multiple", kv_slot_multiple),
+                            ("mamba_slot_multiple", mamba_slot_multiple)):
+            if value < 1:
+                raise ValueError(f"Orchestrator.{name} must be >= 1, got {value}")
+        if min_kv_slots < 0 or min_mamba_slots < 0:
+            raise ValueError(f"minimum slots must be >= 0, got kv={min_kv_slots} mamba={min_mamba_slots}")
+        if idle_s < 0 or headroom < 0:
+            raise ValueError(f"idle_s and headroom must be >= 0, got {idle_s}, {headroom}")
+        self.page_bytes = page_bytes
+        self._kv_bytes, self._m_bytes = kv_bytes_per_slot, mamba_bytes_per_slot
+        self._kv_unit = math.lcm(page_bytes // math.gcd(page_bytes, kv_bytes_per_slot), kv_slot_multiple)
+        self._m_unit = math.lcm(page_bytes // math.gcd(page_bytes, mamba_bytes_per_slot), mamba_slot_multiple)
+        self._min_kv = _round_up(min_kv_slots, self._kv_unit)
+        self._min_m = _round_up(min_mamba_slots, self._m_unit)
+        self._idle_s, self._headroom = idle_s, headroom
+        self._budget = 0
+        self.set_budget(total_budget_bytes)
+        self._current = initial or ResizePlan(self._min_kv, self._min_m)
+        cur = self._current
+        if (cur.kv_slots % self._kv_unit or cur.mamba_slots % self._m_unit
+                or cur.kv_slots < self._min_kv or cur.mamba_slots < self._min_m):
+            raise ValueError(f"initial capacity {cur} must be whole units (KV {self._kv_unit}, Mamba "
+                             f"{self._m_unit} slots) and at least the minimums ({self._min_kv}, {self._min_m})")
+        if self.bytes_of(cur) > total_budget_bytes:
+            raise ValueError(f"initial capacity {cur} needs {self.bytes_of(cur)} bytes, "
+                             f"over the budget of {total_budget_bytes}")
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def budget_bytes(self) -> int:
+        return self._budget
+
+    @property
+    def current(self) -> ResizePlan:
+        """Capacities the worker has acknowledged."""
+        return self._current
+
+    @property
+    def units(self) -> ResizePlan:
+        """Slots per unit of each pool: every target is a multiple of these."""
+        return ResizePlan(self._kv_unit, self._m_unit)
+
+    @property
+    def min_bytes(self) -> int:
+        return self.bytes_of(ResizePlan(self._min_kv, self._min_m))
+
+    def set_budget(self, budget_bytes: int) -> None:
+        """Change the budget (a ``SharedBudget`` does this); it must hold the minimum capacities."""
+        need = self._min_kv * self._kv_bytes + self._min_m * self._m_bytes
+        if budget_bytes < need:
+            raise ValueError(f"budget of {budget_bytes} bytes cannot hold the minimum capacities "
+                             f"({self._min_kv} KV + {self._min_m} Mamba slots = {need} bytes)")
+        self._budget = budget_bytes
+
+    def applied(self, plan: ResizePlan) -> None:
+        """Record that the worker now runs with ``plan``'s capacities."""
+        self._current = plan
+
+    def bytes_of(self, plan: ResizePlan) -> int:
+        return plan.kv_slots * self._kv_bytes + plan.mamba_slots * self._m_bytes
+
+    # -- policy -----------------------------------------------------------------------------
+    def floor(self, d: Demand) -> ResizePlan:
+        """Capacities below which live slots would be cut."""
+        return ResizePlan(max(self._min_kv, _round_up(d.kv_live, self._kv_unit)),
+                          max(self._min_m, _round_up(d.mamba_live, self._m_unit)))
+
+    def want(self, d: Demand) -> ResizePlan:
+        """Capacities that serve the demand with headroom (ignores the budget)."""
+        f = self.floor(d)
+        grow = 1.0 + self._headroom
+        return ResizePlan(max(f.kv_slots, _round_up(math.ceil((d.kv_live + d.kv_waiting) * grow), self._kv_unit)),
+                          max(f.mamba_slots, _round_up(math.ceil((d.mamba_live + d.mamba_waiting) * grow),
+                                                       self._m_unit)))
+
+    def is_idle(self, d: Demand) -> bool:
+        return d.idle_for_s >= self._idle_s
+
+    def target(self, d: Demand) -> ResizePlan:
+        """The capacities this demand calls for under the current budget (see module docstring)."""
+        f, w, cur = self.floor(d), self.want(d), self._current
+        if self.is_idle(d):
+            t = w
+        else:
+            # Grow only when the capacity cannot serve the need, and then with headroom, so plans
+            # come geometrically spaced rather than one per arriving request.
+            t = ResizePlan(
+                cur.kv_slots if d.kv_live + d.kv_waiting <= cur.kv_slots else max(cur.kv_slots, w.kv_slots),
+                cur.mamba_slots if d.mamba_live + d.mamba_waiting <= cur.mamba_slots
+                else max(cur.mamba_slots, w.mamba_slots))
+        over = self.bytes_of(t) - self._budget
+        if over <= 0:
+            return t
+        # 1. Take back sticky slack above the wants, larger slack first.
+        kv_slack = (t.kv_slots - w.kv_slots) * self._kv_bytes
+        m_slack = (t.mamba_slots - w.mamba_slots) * self._m_bytes
+        kv, m = t.kv_slots, t.mamba_slots
+        for pool in (("kv", "m") if kv_slack >= m_slack else ("m", "kv")):
+            if over <= 0:
+                break
+            if pool == "kv":
+                cut = min(_round_up(over, self._kv_unit * self._kv_bytes), kv_slack) // self._kv_bytes
+                kv -= cut
+                over -= cut * self._kv_bytes
+            else:
+                cut = min(_round_up(over, self._m_unit * self._m_bytes), m_slack) // self._m_bytes
+                m -= cut
+                over -= cut * self._m_bytes
+        if over <= 0:
+            return ResizePlan(kv, m)
+        # 2. Even the wants do not fit: floors first, the rest in proportion to unmet want.
+        spare = self._budget - self.bytes_of(f)
+        if spare <= 0:
+            return f  # the budget was lowered under live usage: release everything but the floors
+        kv_extra = (w.kv_slots - f.kv_slots) * self._kv_bytes
+        m_extra = (w.mamba_slots - f.mamba_slots) * self._m_bytes
+        kv_give = _round_down(spare * kv_extra // (kv_extra + m_extra), self._kv_unit * self._kv_bytes)
+        m_give = _round_down(min(spare - kv_give, m_extra), self._m_unit * self._m_bytes)
+        # Rounding may leave a unit of KV unspent that Mamba could not use: give it back to KV.
+        kv_give = min(kv_extra, _round_down(spare - m_give, self._kv_unit * self._kv_bytes))
+        return ResizePlan(f.kv_slots + kv_give // self._kv_bytes, f.mamba_slots + m_give // self._m_bytes)
+
+    def propose(self, d: Demand) -> ResizePlan | None:
+        """A plan when the target differs from the applied capacity, else ``None``. Does not mutate."""
+        t = self.target(d)
+        return None if t == self._current else t
+
+
+class SharedBudget:
+    """Splits one byte budget between several workers' orchestrators by demand.
+
+    Each member gets its floor, then its want (or a share of what is left in proportion to its
+    unmet want); the spare goes to busy members only, so idle members drift down to their
+    working set. A member's budget never exceeds ``total - what the others hold now``: a worker
+    grows only into bytes another has already released, so the committed sum never passes
+    ``total``, whatever order the workers apply their plans in.
+    """
+
+    __slots__ = ("members", "total_bytes")
+
+    def __init__(self, total_bytes: int, members: Sequence[Orchestrator]) -> None:
+        if not members:
+            raise ValueError("SharedBudget needs at least one member")
+        held = sum(m.bytes_of(m.current) for m in members)
+        if held > total_bytes:
+            raise ValueError(f"members already hold {held} bytes, over the shared total of {total_bytes}")
+        self.total_bytes = total_bytes
+        self.members = tuple(members)
+
+    def split(self, demands: Sequence[Demand]) -> tuple[int, ...]:
+        """Set and return every member's budget for these demands (one per member, in order)."""
+        if len(demands) != len(self.members):
+            raise ValueError(f"{len(demands)} demands for {len(self.members)} members")
+        floors = [m.bytes_of(m.floor(d)) for m, d in zip(self.members, demands, strict=True)]
+        wants = [m.bytes_of(m.want(d)) for m, d in zip(self.members, demands, strict=True)]
+        held = [m.bytes_of(m.current) for m in self.members]
+        spare = self.total_bytes - sum(floors)
+        extra = [w - f for w, f in zip(wants, floors, strict=True)]
+        if sum(extra) <= spare:
+            budgets = list(wants)
+            spare -= sum(extra)
+            busy = [i for i, (m, d) in enumerate(zip(self.members, demands, strict=True)) if not m.is_idle(d)]
+            weight = sum(wants[i] for i in busy)
+            for i in busy:
+                budgets[i] += spare * wants[i] // weight if weight else spare // len(busy)
+        else:
+            total_extra = sum(extra)
+            budgets = [f + max(spare, 0) * e // total_extra for f, e in zip(floors, extra, strict=True)]
+        others = sum(held)
+        for i, m in enumerate(self.members):
+            budgets[i] = max(m.min_bytes, min(budgets[i], self.total_bytes - (others - held[i])))
+            m.set_budget(budgets[i])
+        return tuple(budgets)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _round_down(n: int, m: int) -> int:
+    return n // m * m
