@@ -22,17 +22,31 @@ def filled_pool(num_slots: int = 64, dtype: torch.dtype = torch.float32) -> KVPo
     return kv
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_backup_then_load_into_other_slots_is_bit_exact(dtype: torch.dtype) -> None:
+# (slots, host pages, destination slots) in the shapes the copy paths are chosen by.
+ALIGNED_ONE_RUN = ([*range(8, 16)], [3, 4], [*range(40, 48)])
+ALIGNED_FEW_RUNS = ([*range(0, 16), *range(32, 48)], [0, 1, 2, 3, 6, 7, 8, 9], [*range(16, 32), *range(48, 64)])
+ALIGNED_SCATTERED = (
+    [*range(44, 48), *range(4, 8), *range(24, 28), *range(12, 16)],
+    [7, 2, 9, 0],
+    [*range(0, 4), *range(60, 64), *range(36, 40), *range(20, 24)],
+)
+UNALIGNED = ([*range(9, 13), 3, 40, 17, 63], [5, 1], [*range(30, 34), 0, 6, 9, 13])
+
+
+@pytest.mark.parametrize("layout", [ALIGNED_ONE_RUN, ALIGNED_FEW_RUNS, ALIGNED_SCATTERED, UNALIGNED])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backup_then_load_into_other_slots_is_bit_exact(
+    layout: tuple[list[int], list[int], list[int]], dtype: torch.dtype
+) -> None:
+    slots, host_pages, new_slots = layout
     src = filled_pool(dtype=dtype)
     host = HostPool(10, PAGE, LAYERS, HEADS, DIM, dtype)
-    # Two aligned pages and one scattered "page" of slots, into non-contiguous host pages.
-    slots = [*range(8, 12), *range(20, 24), 3, 40, 17, 63]
-    host_pages = [7, 2, 5]
+    host.pages.fill_(-1)  # pages the backup must not touch
     host.backup(src, slots, host_pages)
+    others = [p for p in range(10) if p not in host_pages]
+    assert bool((host.pages[others] == -1).all())
 
     dst = KVPool(LAYERS, 64, HEADS, DIM, dtype)
-    new_slots = [*range(32, 36), 0, 5, 9, 13, *range(60, 64)]
     host.load(dst, host_pages, new_slots)
     for i in range(LAYERS):
         for a, b in ((src.k[i], dst.k[i]), (src.v[i], dst.v[i])):

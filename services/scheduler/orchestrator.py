@@ -144,7 +144,15 @@ class Orchestrator:
 
     # -- policy -----------------------------------------------------------------------------
     def floor(self, d: Demand) -> ResizePlan:
-        """Capacities below which live slots would be cut."""
+        """Capacities below which live slots would be cut.
+
+        Raises ``ValueError`` when live usage exceeds the applied capacity: slots that do not
+        exist cannot be held, so the caller's bookkeeping is off.
+        """
+        cur = self._current
+        if d.kv_live > cur.kv_slots or d.mamba_live > cur.mamba_slots:
+            raise ValueError(f"live usage (KV {d.kv_live}, Mamba {d.mamba_live}) exceeds the applied capacity "
+                             f"(KV {cur.kv_slots}, Mamba {cur.mamba_slots})")
         return ResizePlan(max(self._min_kv, _round_up(d.kv_live, self._kv_unit)),
                           max(self._min_m, _round_up(d.mamba_live, self._m_unit)))
 
@@ -175,8 +183,9 @@ class Orchestrator:
         if over <= 0:
             return t
         # 1. Take back sticky slack above the wants, larger slack first.
-        kv_slack = (t.kv_slots - w.kv_slots) * self._kv_bytes
-        m_slack = (t.mamba_slots - w.mamba_slots) * self._m_bytes
+        # (A busy pool may sit below its want: it serves its need without the headroom; no slack.)
+        kv_slack = max(0, t.kv_slots - w.kv_slots) * self._kv_bytes
+        m_slack = max(0, t.mamba_slots - w.mamba_slots) * self._m_bytes
         kv, m = t.kv_slots, t.mamba_slots
         for pool in (("kv", "m") if kv_slack >= m_slack else ("m", "kv")):
             if over <= 0:

@@ -36,6 +36,7 @@ OS_PAGE_BYTES = mmap.PAGESIZE
 _MAP_NORESERVE = 0x4000 if sys.platform.startswith("linux") else 0
 # Field offsets inside a slot-major row are aligned so that rows allow 16-byte vector loads.
 _FIELD_ALIGN = 16
+_PROT_NONE = 0  # POSIX value; the mmap module exports PROT_READ/PROT_WRITE but not PROT_NONE
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -125,7 +126,7 @@ class ElasticBuffer:
                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self._tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         if guard:
-            self._protect(0, self._pages, mmap.PROT_NONE)
+            self._protect(0, self._pages, _PROT_NONE)
 
     # -- geometry ---------------------------------------------------------------------------
     @property
@@ -186,7 +187,7 @@ class ElasticBuffer:
             start, length = n_pages * self._page_bytes, released * self._page_bytes
             self._map.madvise(mmap.MADV_DONTNEED, start, length)
             if self._guard:
-                self._protect(n_pages, released, mmap.PROT_NONE)
+                self._protect(n_pages, released, _PROT_NONE)
         self._committed = n_pages
         return released * self._page_bytes
 

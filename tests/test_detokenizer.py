@@ -1,0 +1,50 @@
+"""Incremental detokenization: complete characters only, stop strings across chunk borders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.tokenizer.detokenizer import IncrementalDetokenizer
+from tests.reference import hf_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_qwen3: Path):  # type: ignore[no-untyped-def]
+    return hf_tokenizer(str(tiny_qwen3))
+
+
+def _decode(tok):  # type: ignore[no-untyped-def]
+    return lambda ids: tok.decode(list(ids), skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("text", ["plain words here", "héllo wörld — ünïcode ✓ 日本語", "a  b\n\tc"])
+def test_token_by_token_equals_whole_decode(tok, text: str) -> None:  # type: ignore[no-untyped-def]
+    ids = tok.encode(text, add_special_tokens=False)
+    d = IncrementalDetokenizer(_decode(tok))
+    parts = [d.feed([i]).text for i in ids]
+    parts.append(d.flush().text)
+    assert "".join(parts) == tok.decode(ids) == text
+    assert all("\ufffd" not in p for p in parts)
+
+
+def test_stop_string_split_across_tokens(tok) -> None:  # type: ignore[no-untyped-def]
+    text = "the cache keeps pages warm"
+    ids = tok.encode(text, add_special_tokens=False)
+    d = IncrementalDetokenizer(_decode(tok), stop=["keeps p"])
+    out = ""
+    for i in ids:
+        chunk = d.feed([i])
+        out += chunk.text
+        if chunk.stopped:
+            break
+    assert d.stopped and out == "the cache "
+
+
+def test_text_that_may_start_a_stop_string_is_held_then_released(tok) -> None:  # type: ignore[no-untyped-def]
+    d = IncrementalDetokenizer(_decode(tok), stop=["cache!"])
+    ids = tok.encode("the cache", add_special_tokens=False)
+    shown = "".join(d.feed([i]).text for i in ids)
+    assert "cache" not in shown  # could still become "cache!"
+    assert shown + d.flush().text == "the cache"
