@@ -7,11 +7,12 @@ STAMP := $(VENV)/.installed
 MODELS := models
 TINY := $(MODELS)/qwen3-tiny
 TINY_NEXT := $(MODELS)/qwen3-next-tiny
+BENCH_MODEL := $(MODELS)/qwen3-bench
 PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := strata/.generated
 PORT ?= 50051
 
-.PHONY: run test test-all soak lint protos install system-deps models clean
+.PHONY: run test test-all soak bench lint protos install system-deps models clean
 
 run: install models
 	$(BIN)/strata up --model $(TINY) --port $(PORT)
@@ -25,6 +26,13 @@ test-all: install models
 
 soak: install models
 	$(BIN)/python -m pytest -q -m slow
+
+# Side-by-side benchmarks on the bench-size model (~10-15 min on 2 cores); writes docs/bench/ and docs/benchmarks.md.
+bench: install models $(BENCH_MODEL)/config.json
+	$(BIN)/strata bench --model $(BENCH_MODEL) --run-dir .runs/bench
+
+$(BENCH_MODEL)/config.json: | install
+	$(BIN)/strata model tiny --arch qwen3 --size bench --out $(BENCH_MODEL)
 
 lint: install
 	$(BIN)/ruff check services kernels tests

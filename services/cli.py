@@ -83,6 +83,12 @@ def _grpc(args: argparse.Namespace) -> int:
     return run_reflection_command(args.address, args.action, args.target, args.json)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from services.bench.cli import run_bench
+
+    return run_bench(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="strata", description="Strata LLM inference server")
     sub = p.add_subparsers(dest="command", required=True)
@@ -114,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--seed", type=int, default=0)
 
+    from services.bench.cli import add_bench_parser  # light: no torch at import
+
+    add_bench_parser(sub)
+
     g = sub.add_parser("grpc", help="reflection-based gRPC client (no grpcurl needed)")
     g.add_argument("action", choices=["list", "describe", "call"])
     g.add_argument("target", nargs="?", default="", help="service or Service/Method")
@@ -130,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         args = parser.parse_args(argv[:2])
         sys.exit(_serve(args, argv[2:]))
     args = parser.parse_args(argv)
-    handlers = {"up": _up, "generate": _generate, "model": _model, "grpc": _grpc}
+    handlers = {"up": _up, "generate": _generate, "model": _model, "grpc": _grpc, "bench": _bench}
     sys.exit(handlers[args.command](args))
 
 

@@ -30,6 +30,7 @@ from services.scheduler.loop import LoopConfig
 from services.worker.engine import Engine, EngineConfig
 
 VOCAB = 768  # the tiny checkpoint's
+RUN_TIMEOUT_S = 60.0  # a stalled scheduler fails the test instead of hanging it
 SHARED = SharedPrefixSpec(groups=2, prompts_per_group=4, system_len=48, question_len=8, output_len=4)
 
 
@@ -78,13 +79,9 @@ def test_multi_turn_prompt_is_history_plus_question() -> None:
 
 
 def test_summarize_from_known_timings() -> None:
-    a = RequestRecord(
-        10, 3, 4, submitted=0.0, first_token=1.0, finished=3.0, output_tokens=3, cached_tokens=4
-    )
+    a = RequestRecord(10, 3, 4, submitted=0.0, first_token=1.0, finished=3.0, output_tokens=3, cached_tokens=4)
     a.chunks = [(1.0, 1), (3.0, 2)]  # two tokens coalesced in the second chunk: 1 s each
-    b = RequestRecord(
-        20, 3, 0, submitted=1.0, first_token=2.0, finished=5.0, output_tokens=3, cached_tokens=0
-    )
+    b = RequestRecord(20, 3, 0, submitted=1.0, first_token=2.0, finished=5.0, output_tokens=3, cached_tokens=0)
     b.chunks = [(2.0, 1), (3.0, 1), (5.0, 1)]
     failed = RequestRecord(30, 3, 5, submitted=0.0, error="boom")
     m = summarize("t", [a, b, failed], duration_s=5.0)
@@ -104,7 +101,7 @@ def _run(model: Path, w: Workload, cache: str, concurrency: int = 64) -> tuple[l
     async def go() -> tuple[list[RequestRecord], float]:
         engine = Engine(model, EngineConfig(kv_cache_bytes=8 << 20, max_rows=16))
         async with InProcessBackend(engine, LoopConfig(cache=cache, max_running=16), cache) as b:
-            return await replay(b, w, concurrency)
+            return await replay(b, w, concurrency, timeout_s=RUN_TIMEOUT_S)
 
     return asyncio.run(go())
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -15,6 +15,7 @@ from services.scheduler.allocator import DoubleFreeError, SlotAllocator
 from services.scheduler.cache.base import CacheHandle, CacheKey, PrefixCache
 from services.scheduler.cache.mamba_policy import StatePolicy, checkpoint_positions, state_eviction_order
 from services.scheduler.cache.mamba_radix import InsertResult, MambaRadixCache
+from services.scheduler.cache.tree_util import as_array, common_prefix
 from services.scheduler.mamba_alloc import MambaSlotAllocator, min_mamba_slots
 
 
@@ -325,7 +326,29 @@ def test_mamba_slot_allocator() -> None:
     assert min_mamba_slots(8) == 24
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    edge=st.lists(st.integers(0, 3), min_size=1, max_size=300),
+    extra=st.lists(st.integers(0, 3), max_size=300),
+    pos=st.integers(0, 5),
+)
+def test_common_prefix_agrees_with_a_naive_scan(edge: list[int], extra: list[int], pos: int) -> None:
+    key = [7] * pos + extra
+    limit = min(len(edge), len(key) - pos)
+    if limit <= 0:
+        return
+    want = next((i for i in range(limit) if key[pos + i] != edge[i]), limit)
+    assert common_prefix(as_array(key), pos, as_array(edge), limit) == want
+
+
 # -- stateful: random operations against an exact model ------------------------------------------
+
+
+_BASES = (
+    list(range(1, 13)),
+    [1, 2, 3, 4, 5, 6, *range(20, 26)],
+    [1, 2, *range(30, 40)],
+)
 
 
 @dataclass
@@ -391,8 +414,14 @@ class MambaCacheMachine(RuleBasedStateMachine):
             slot = self.mamba.alloc()
         return slot
 
-    # A small alphabet so keys share prefixes, branch and land on tombstones often.
-    tokens = st.lists(st.integers(0, 1), max_size=14)
+    # Keys are prefixes of a few sequences that branch after 2 and 6 tokens, plus a short random
+    # tail, so that matches often share prefixes, branch, end on states and cross tombstones.
+    tokens = st.builds(
+        lambda base, cut, tail: base[:cut] + tail,
+        st.sampled_from(_BASES),
+        st.integers(1, 12),
+        st.lists(st.integers(0, 1), max_size=3),
+    )
     extras = st.sampled_from(["", "x"])
 
     @rule(tokens=tokens, extra=extras)
@@ -423,15 +452,20 @@ class MambaCacheMachine(RuleBasedStateMachine):
         self.reqs.append(_Req(key, m.node, m.length, m.slots, own, state))
 
     @precondition(lambda self: bool(self.reqs))
-    @rule(pick=st.integers(0, 1 << 16), cut=st.integers(0, 14), fork=st.booleans())
-    def finish(self, pick: int, cut: int, fork: bool) -> None:
-        """Checkpoint at a page end p >= match_len (a fork if the pool allows), then retire."""
+    @rule(
+        pick=st.integers(0, 1 << 16),
+        drop=st.one_of(st.just(0), st.integers(0, 14)),
+        no_fork=st.integers(0, 3).map(lambda x: x == 0),
+    )
+    def finish(self, pick: int, drop: int, no_fork: bool) -> None:
+        """Checkpoint at a page end p >= match_len (with a fork unless told not to or the pool is
+        dry), then retire. Mostly the common case: the whole key, forked."""
         r = self.reqs.pop(pick % len(self.reqs))
         n, m = len(r.key.tokens), r.match_len
-        p = self.cache.aligned_len(m + min(cut, n - m))
+        p = self.cache.aligned_len(n - min(drop, n - m))
         slots = r.matched + r.own[: n - m]
         key = CacheKey(r.key.tokens[:p], r.key.extra)
-        mamba = self.take_mamba() if fork else None
+        mamba = None if no_fork else self.take_mamba()
         _, _, want_cached = self.expected(key)
         want_taken = mamba is not None and p > 0 and (key.extra, tuple(key.tokens)) not in self.states
         res = self.cache.insert_checkpoint(key, slots[:p], mamba)
@@ -480,5 +514,5 @@ class MambaCacheMachine(RuleBasedStateMachine):
         assert c.mamba_protected == len(locked)
 
 
-MambaCacheMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
+MambaCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
 test_mamba_cache_machine = MambaCacheMachine.TestCase

@@ -148,6 +148,7 @@ def test_budget_and_live_usage_invariants(
         assert plan.kv_slots % o.units.kv_slots == 0 and plan.mamba_slots % o.units.mamba_slots == 0
         assert (plan.kv_slots * kv_slot) % PAGE == 0 and (plan.mamba_slots * m_slot) % PAGE == 0
         o.applied(plan)
+        assert o.propose(d) is None  # stable: the same demand never asks for another change
 
 
 def test_shared_budget_follows_demand_between_two_workers() -> None:

@@ -102,3 +102,30 @@ def test_shared_prefixes_reuse_at_high_concurrency(tiny_qwen3: Path, page_size: 
     ideal = groups * (per_group - 1) * (prefix_len - prefix_len % page_size)
     cached = sum(o.cached_tokens for o in outs)
     assert cached >= 0.95 * ideal, (cached, ideal)
+
+
+def test_overlap_on_equals_off_greedy_and_seeded(eng: h.Engine, reference: tuple) -> None:
+    prompts, want = reference
+    greedy = [h.Spec(p, 8) for p in prompts]
+    sampled = [h.Spec(p, 12, temperature=1.0, seed=100 + i) for i, p in enumerate(prompts)]
+    runs = {}
+    for overlap in (True, False):
+        outs, loop = h.run(eng, greedy + sampled, LoopConfig(overlap=overlap, max_prefill_tokens=16))
+        runs[overlap] = [o.ids for o in outs]
+        assert loop.batcher is not None
+        loop.batcher.mem.check_idle_invariant()
+    assert runs[True] == runs[False]
+    assert runs[True][: len(prompts)] == want
+
+
+def test_overlap_hides_worker_idle_time(eng: h.Engine) -> None:
+    """With overlap the next step is queued before the current one ends; the engine's own idle
+    clock (time between steps) must then be a small share of its busy time."""
+    rng = random.Random(11)
+    specs = [h.Spec([rng.randrange(3, 700) for _ in range(20)], 40) for _ in range(16)]
+    idle = {}
+    for overlap in (True, False):
+        _, loop = h.run(eng, specs, LoopConfig(overlap=overlap))
+        c = loop.counters
+        idle[overlap] = c.worker_idle_s / (c.worker_idle_s + c.worker_busy_s)
+    assert idle[True] < idle[False]

@@ -1,8 +1,8 @@
 """``strata bench``: run the side-by-side comparisons, write JSON + PNG, update docs/benchmarks.md.
 
-    strata bench                      everything, default sizes (~10 min on 2 CPU cores)
+    strata bench                      everything, default sizes (~11 min on 2 CPU cores)
     strata bench --quick              small sizes, one repeat (a smoke run, ~3 min)
-    strata bench --only cache --only stack --repeats 3
+    strata bench --only cache --only stack --repeats 5
 
 The default model is ``models/qwen3-bench``; a missing ``models/<arch>-bench`` is generated first.
 """
@@ -27,9 +27,7 @@ SECTION_NAMES = ("cache", "multi_turn", "stack", "hf", "profile")
 # Workload sizes: default and --quick. Explicit size flags override either.
 DEFAULT: dict[str, Any] = {
     "random": RandomSpec(count=64, input_len=256, output_len=32),
-    "shared": SharedPrefixSpec(
-        groups=4, prompts_per_group=16, system_len=512, question_len=32, output_len=32
-    ),
+    "shared": SharedPrefixSpec(groups=4, prompts_per_group=16, system_len=512, question_len=32, output_len=32),
     "multi": MultiTurnSpec(clients=8, rounds=4, request_len=64, output_len=32, max_parallel=8),
 }
 QUICK: dict[str, Any] = {
@@ -73,25 +71,20 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--skip", action="append", choices=SECTION_NAMES, default=[], help="skip this section")
     p.add_argument("--concurrency", type=int, default=64, help="requests in flight per run")
-    p.add_argument(
-        "--repeats", type=int, default=None, help="alternating repeats per ratio (default 2, quick 1)"
-    )
+    p.add_argument("--repeats", type=int, default=None, help="alternating repeats per ratio (default 3, quick 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-bytes", type=int, default=384 << 20, help="KV pool of every engine")
     p.add_argument("--max-rows", type=int, default=64, help="worker rows = scheduler max running")
     p.add_argument("--max-prefill-tokens", type=int, default=2048, help="prefill budget per step")
     p.add_argument("--hf-batch-size", type=int, default=16, help="batch size of transformers generate")
     p.add_argument("--no-hf-continuous", action="store_true", help="skip transformers continuous batching")
-    p.add_argument(
-        "--multi-rate", type=float, default=None, help="multi-turn requests/s (default: unbounded)"
-    )
+    p.add_argument("--multi-rate", type=float, default=None, help="multi-turn requests/s (default: unbounded)")
     for flag, (_, field) in _SIZE_FLAGS.items():
-        p.add_argument(
-            f"--{flag}", type=int, default=None, dest=flag.replace("-", "_"), help=f"workload {field}"
-        )
+        p.add_argument(f"--{flag}", type=int, default=None, dest=flag.replace("-", "_"), help=f"workload {field}")
     p.add_argument("--out-dir", default="docs/bench", help="where results.json and the PNGs go")
     p.add_argument("--doc", default="docs/benchmarks.md", help="page whose generated block is updated")
     p.add_argument("--no-doc", action="store_true", help="do not touch --doc")
+    p.add_argument("--run-timeout-s", type=float, default=600.0, help="cut off a run after this long")
     p.add_argument("--run-dir", default="", help="logs of the gRPC stack (default: a temporary folder)")
     return p
 
@@ -126,11 +119,7 @@ def machine_info(model: Path) -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
-        names = [
-            ln.split(":", 1)[1].strip()
-            for ln in cpuinfo.read_text().splitlines()
-            if ln.startswith("model name")
-        ]
+        names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")]
         cpu = names[0] if names else cpu
     weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     return {
@@ -139,9 +128,7 @@ def machine_info(model: Path) -> dict[str, Any]:
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "load_start": " ".join(f"{x:.1f}" for x in os.getloadavg()),
-        "gpu": "none (no GPU was lent to this run)"
-        if not torch.cuda.is_available()
-        else torch.cuda.get_device_name(),
+        "gpu": "none (no GPU was lent to this run)" if not torch.cuda.is_available() else torch.cuda.get_device_name(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -167,7 +154,7 @@ def run_bench(args: argparse.Namespace) -> int:
         sections=tuple(chosen),
         seed=args.seed,
         concurrency=args.concurrency,
-        repeats=args.repeats if args.repeats is not None else (1 if args.quick else 2),
+        repeats=args.repeats if args.repeats is not None else (1 if args.quick else 3),
         kv_cache_bytes=args.kv_cache_bytes,
         max_rows=args.max_rows,
         max_prefill_tokens=args.max_prefill_tokens,
@@ -177,10 +164,12 @@ def run_bench(args: argparse.Namespace) -> int:
         shared=specs["shared"],
         multi=specs["multi"],
         run_dir=Path(args.run_dir) if args.run_dir else None,
+        run_timeout_s=args.run_timeout_s,
     )
     t0 = time.perf_counter()
     print(f"strata bench: {model}, sections {', '.join(chosen)}", flush=True)
     results = Suite(cfg, machine_info(model), say=lambda line: print(line, flush=True)).run()
+    results.machine["load_end"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
     out = Path(args.out_dir)
     written = [report.write_json(results, out / "results.json"), *report.write_plots(results, out)]
     if not args.no_doc:

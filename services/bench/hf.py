@@ -76,9 +76,7 @@ def hf_batched(
     return records, time.perf_counter() - start
 
 
-def hf_continuous(
-    model: Any, workload: Workload, say: Say | None = None
-) -> tuple[list[RequestRecord], float]:
+def hf_continuous(model: Any, workload: Workload, say: Say | None = None) -> tuple[list[RequestRecord], float]:
     """``generate_batch`` (continuous batching); returns records and the active time."""
     from transformers import GenerationConfig
 

@@ -94,9 +94,7 @@ class RunMetrics:
         return asdict(self)
 
 
-def summarize(
-    label: str, records: list[RequestRecord], duration_s: float, reports_cache: bool = True
-) -> RunMetrics:
+def summarize(label: str, records: list[RequestRecord], duration_s: float, reports_cache: bool = True) -> RunMetrics:
     """Aggregate ``records`` of a run that took ``duration_s`` seconds of wall time.
 
     Only successful requests count towards throughput and latency; ``failed`` says how many did not.

@@ -17,7 +17,13 @@ from services.scheduler.loop import LoopConfig
 
 
 def profile_in_process(
-    engine: Any, loop_cfg: LoopConfig, workload: Workload, concurrency: int, vocab_size: int, top: int
+    engine: Any,
+    loop_cfg: LoopConfig,
+    workload: Workload,
+    concurrency: int,
+    vocab_size: int,
+    top: int,
+    timeout_s: float | None = None,
 ) -> str:
     """Run ``workload`` once on ``engine`` under two profilers; return the printable report
     (``top`` functions per thread, paths relative to the working directory)."""
@@ -27,7 +33,7 @@ def profile_in_process(
     async def go() -> tuple[list[Any], float]:
         async with InProcessBackend(profiled, loop_cfg, "profile") as b:
             await warm_up(b, vocab_size)
-            return await replay(b, workload, concurrency)
+            return await replay(b, workload, concurrency, timeout_s=timeout_s)
 
     loop_prof.enable()
     records, duration = asyncio.run(go())

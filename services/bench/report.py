@@ -71,8 +71,8 @@ def write_plots(r: BenchResults, out_dir: Path) -> list[Path]:
                 ax.plot([c.goal, c.goal], [i - 0.4, i + 0.4], color="black", linewidth=2)
             ax.text(c.value, i, f" {c.value:.2f}", va="center", fontsize=8)
         ax.invert_yaxis()
-        ax.set_xscale("log")
-        ax.set_xlabel("ratio (log scale); black tick = goal; green met, red missed, grey no goal")
+        ax.set_xlim(0, max(max(c.value for c in comps), max((c.goal or 0) for c in comps)) * 1.15)
+        ax.set_xlabel("ratio; black tick = goal (green met, red missed, grey no goal)")
         ax.set_title("Side-by-side ratios")
         fig.tight_layout()
         paths.append(_save(fig, out_dir / "ratios.png"))
@@ -120,7 +120,8 @@ def markdown(r: BenchResults, plot_dir: str = "bench") -> str:
     m = r.machine
     lines = [
         f"Measured {m.get('date', '?')} on {m.get('cpu', '?')} ({m.get('cores', '?')} cores, "
-        f"torch threads {m.get('torch_threads', '?')}, load average at start {m.get('load_start', '?')}); "
+        f"torch threads {m.get('torch_threads', '?')}, load average {m.get('load_start', '?')} at the start, "
+        f"{m.get('load_end', '?')} at the end); "
         f"model `{r.config.get('model')}` ({m.get('params_m', '?')} M parameters); whole run "
         f"{r.elapsed_s / 60:.1f} min.",
         "",

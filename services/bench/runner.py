@@ -88,9 +88,7 @@ class GrpcBackend:
             note_tokens(rec, len(resp.token_ids))
             out += resp.token_ids
             if resp.finish_reason in (pb.FINISH_REASON_ERROR, pb.FINISH_REASON_ABORT):
-                raise BackendError(
-                    f"request ended with {pb.FinishReason.Name(resp.finish_reason)}: {resp.error}"
-                )
+                raise BackendError(f"request ended with {pb.FinishReason.Name(resp.finish_reason)}: {resp.error}")
             if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 rec.cached_tokens = resp.usage.cached_tokens
         return out
@@ -119,6 +117,8 @@ class ProfiledEngine:
 _rids = itertools.count()
 # How often a waiting in-process request checks that the loop still has its engine.
 _LOST_POLL_S = 1.0
+# How long a stopping in-process loop may take to finish its step before it is cancelled.
+_STOP_GRACE_S = 5.0
 # Progress lines of a run, when a ``say`` is given.
 PROGRESS_EVERY_S = 10.0
 
@@ -150,7 +150,12 @@ class InProcessBackend:
     async def __aexit__(self, *exc: object) -> None:
         self._stop.set()
         if self._task is not None:
-            await self._task
+            # A loop stuck inside a step never sees the stop event: cancel it after a grace period.
+            done, _ = await asyncio.wait({self._task}, timeout=_STOP_GRACE_S)
+            if not done:
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
         if self.loop is not None and self.loop.link is not None:
             await self.loop.link.close()
 
@@ -202,10 +207,16 @@ class _Pacer:
 
 
 async def replay(
-    backend: Backend, workload: Workload, concurrency: int, say: Say | None = None
+    backend: Backend,
+    workload: Workload,
+    concurrency: int,
+    say: Say | None = None,
+    timeout_s: float | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Run every conversation of ``workload``; return the records and the wall time (s) from the
-    first submission to the last completion. A failed turn ends its conversation."""
+    first submission to the last completion. A failed turn ends its conversation. After
+    ``timeout_s`` every unfinished request is cancelled and recorded as failed (a stalled backend
+    costs one run, not the whole benchmark)."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     in_flight = asyncio.Semaphore(concurrency)
@@ -219,9 +230,7 @@ async def replay(
         prompt = turn.prompt_for(history)
         await pacer.wait()
         async with in_flight:
-            rec = RequestRecord(
-                len(prompt), turn.max_new_tokens, turn.ideal_reuse(history), time.perf_counter()
-            )
+            rec = RequestRecord(len(prompt), turn.max_new_tokens, turn.ideal_reuse(history), time.perf_counter())
             records.append(rec)
             try:
                 out = await backend.generate(prompt, turn.max_new_tokens, rec)
@@ -256,7 +265,13 @@ async def replay(
 
     beat = asyncio.create_task(heartbeat())
     try:
-        await asyncio.gather(*(conversation(c) for c in workload.conversations))
+        await asyncio.wait_for(asyncio.gather(*(conversation(c) for c in workload.conversations)), timeout_s)
+    except TimeoutError:
+        for rec in records:
+            if rec.finished is None and not rec.error:
+                rec.error = f"not finished after the run's timeout of {timeout_s:.0f}s"
+        if say is not None:
+            say(f"    {backend.label}: TIMED OUT after {timeout_s:.0f}s")
     finally:
         beat.cancel()
     progress()

@@ -58,7 +58,7 @@ class BenchConfig:
     sections: tuple[Section, ...] = SECTIONS
     seed: int = 0
     concurrency: int = 64
-    repeats: int = 2
+    repeats: int = 3
     kv_cache_bytes: int = 384 << 20
     max_rows: int = 64
     max_prefill_tokens: int = 2048
@@ -68,6 +68,7 @@ class BenchConfig:
     shared: SharedPrefixSpec = field(default_factory=SharedPrefixSpec)
     multi: MultiTurnSpec = field(default_factory=MultiTurnSpec)
     run_dir: Path | None = None  # stack logs; None = a temporary folder
+    run_timeout_s: float = 600.0  # a run still going after this is cut off, its requests failed
 
 
 class Suite:
@@ -82,20 +83,14 @@ class Suite:
 
     # -- plumbing -------------------------------------------------------------------------------
     def _loop_cfg(self, cache: str) -> LoopConfig:
-        return LoopConfig(
-            cache=cache, max_prefill_tokens=self.cfg.max_prefill_tokens, max_running=self.cfg.max_rows
-        )
+        return LoopConfig(cache=cache, max_prefill_tokens=self.cfg.max_prefill_tokens, max_running=self.cfg.max_rows)
 
     def _engine(self) -> Any:
         from services.worker.engine import Engine, EngineConfig
 
-        return Engine(
-            self.cfg.model, EngineConfig(kv_cache_bytes=self.cfg.kv_cache_bytes, max_rows=self.cfg.max_rows)
-        )
+        return Engine(self.cfg.model, EngineConfig(kv_cache_bytes=self.cfg.kv_cache_bytes, max_rows=self.cfg.max_rows))
 
-    def _record(
-        self, label: str, records: list[Any], duration: float, reports_cache: bool = True
-    ) -> RunMetrics:
+    def _record(self, label: str, records: list[Any], duration: float, reports_cache: bool = True) -> RunMetrics:
         m = summarize(label, records, duration, reports_cache)
         self.results.runs.append(m)
         hit = f", cache hit {m.cache_hit_rate:.1%}" if m.cache_hit_rate is not None else ""
@@ -105,13 +100,11 @@ class Suite:
         )
         return m
 
-    def in_process(
-        self, label: str, workload: Workload, cache: str, concurrency: int | None = None
-    ) -> RunMetrics:
+    def in_process(self, label: str, workload: Workload, cache: str, concurrency: int | None = None) -> RunMetrics:
         async def go() -> tuple[list[Any], float]:
             async with InProcessBackend(self._engine(), self._loop_cfg(cache), label) as b:
                 await warm_up(b, self.vocab)
-                return await replay(b, workload, concurrency or self.cfg.concurrency, self.say)
+                return await replay(b, workload, concurrency or self.cfg.concurrency, self.say, self.cfg.run_timeout_s)
 
         return self._record(label, *asyncio.run(go()))
 
@@ -120,7 +113,7 @@ class Suite:
             b: Backend = GrpcBackend(address, label)
             try:
                 await warm_up(b, self.vocab)
-                return await replay(b, workload, self.cfg.concurrency, self.say)
+                return await replay(b, workload, self.cfg.concurrency, self.say, self.cfg.run_timeout_s)
             finally:
                 await b.close()  # type: ignore[attr-defined]
 
@@ -137,16 +130,16 @@ class Suite:
         return runs_a, runs_b
 
     def ratio(self, name: str, a: list[RunMetrics], b: list[RunMetrics], goal: float | None) -> Comparison:
-        med_a = statistics.median(m.total_throughput for m in a)
-        med_b = statistics.median(m.total_throughput for m in b)
-        c = Comparison(
-            name,
-            "total tokens/s (median)",
-            a[0].label.split(" #")[0],
-            b[0].label.split(" #")[0],
-            med_a / med_b,
-            goal,
-        )
+        """a / b in total tokens/s. Alternated runs are compared pair by pair (run i of a with run
+        i of b, adjacent in time, so they saw the same load) and the median pair ratio is kept."""
+        if len(a) == len(b) > 1:
+            value = statistics.median(x.total_throughput / y.total_throughput for x, y in zip(a, b, strict=True))
+            metric = f"total tokens/s, median of {len(a)} paired runs"
+        else:
+            med_a = statistics.median(m.total_throughput for m in a)
+            med_b = statistics.median(m.total_throughput for m in b)
+            value, metric = med_a / med_b, "total tokens/s (median of each side)"
+        c = Comparison(name, metric, a[0].label.split(" #")[0], b[0].label.split(" #")[0], value, goal)
         self._compare(c)
         return c
 
@@ -285,7 +278,13 @@ class Suite:
         s = shared_prefix_workload(self.cfg.shared, self.vocab, self.cfg.seed)
         t0 = time.perf_counter()
         self.results.profile = profile_in_process(
-            self._engine(), self._loop_cfg("radix"), s, self.cfg.concurrency, self.vocab, PROFILE_TOP
+            self._engine(),
+            self._loop_cfg("radix"),
+            s,
+            self.cfg.concurrency,
+            self.vocab,
+            PROFILE_TOP,
+            self.cfg.run_timeout_s,
         )
         self.say(f"  profiled the in-process shared-prefix run ({time.perf_counter() - t0:.1f}s)")
 

@@ -129,8 +129,7 @@ def random_workload(spec: RandomSpec, vocab_size: int, seed: int = 0) -> Workloa
     rng = random.Random(f"random/{seed}")
     lo = max(1, int(spec.input_len * spec.range_ratio))
     convs = tuple(
-        (Turn((), _ids(rng, rng.randint(lo, spec.input_len), vocab_size), spec.output_len),)
-        for _ in range(spec.count)
+        (Turn((), _ids(rng, rng.randint(lo, spec.input_len), vocab_size), spec.output_len),) for _ in range(spec.count)
     )
     name = f"random in={spec.input_len} out={spec.output_len} n={spec.count}"
     return Workload("random", name, convs, seed=seed)

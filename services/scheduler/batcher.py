@@ -61,8 +61,8 @@ def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
 
 
 def _decoding(req: Req) -> bool:
-    """Its only uncomputed token is the last one sampled."""
-    return bool(req.output) and req.remaining_prefill == 1
+    """Its only uncomputed token is the last one sampled (known or still in flight)."""
+    return bool(req.output or req.inflight) and req.remaining_prefill == 1
 
 
 def _prefilling(req: Req) -> bool:
@@ -103,8 +103,9 @@ class Batcher:
                     inputs.append((req, n))
                     budget -= n
         budget = self._admit(inputs, budget)
-        if not inputs and self.running:
-            # Every running request is mid-prefill and memory is full: make room by retraction.
+        stuck = any(_prefilling(r) for r in self.running) and not any(r.inflight for r in self.running)
+        if not inputs and stuck:
+            # Running requests need memory to go on and none is waiting for a result: retract.
             if self._retract_newest(exclude=self.running[0]) is None:
                 raise AssertionError("a single prefilling request cannot fit the pool")
             return self.plan()
@@ -124,7 +125,7 @@ class Batcher:
         return plan
 
     def _schedule_decodes(self, inputs: list[tuple[Req, int]]) -> None:
-        decodes = [r for r in self.running if _decoding(r)]
+        decodes = [r for r in self.running if _decoding(r) and self._may_decode(r)]
         i = 0
         while i < len(decodes):
             req = decodes[i]
@@ -142,6 +143,14 @@ class Batcher:
                     i -= 1
                     inputs[:] = [(r, n) for r, n in inputs if r is not victim]
 
+    def _may_decode(self, req: Req) -> bool:
+        """Another token may be planned now. A grammar's next mask depends on the pending token,
+        so a constrained request waits for it (overlap off for that request, on for the rest)."""
+        if req.inflight and req.grammar is not None:
+            return False
+        total = len(req.output) + req.inflight
+        return total < req.gen.max_new_tokens and len(req.prompt) + total < self.context_length
+
     def _grant(self, req: Req, n: int) -> int:
         """Allocate ``n`` slots for the next ``n`` tokens of ``req``; 0 when memory is short."""
         return n if self.mem.extend(req, n) else 0
@@ -152,7 +161,7 @@ class Batcher:
         held: list[Req] = []
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_running:
             req = self.waiting[0]
-            if self._sibling_in_flight(req):
+            if req.inflight or self._sibling_in_flight(req):
                 held.append(self.waiting.popleft())
                 continue
             row = self.mem.rows.alloc()
@@ -207,24 +216,29 @@ class Batcher:
         start = req.computed - n
         seq = req.seq
         assert req.row is not None
+        pending = start >= len(seq)  # the input is a sample still in flight (overlap)
+        assert not pending or n == 1
         ri = ReqInput(
             request_id=req.rid,
             row=req.row,
-            input_ids=seq[start : start + n],
+            input_ids=[] if pending else seq[start : start + n],
+            use_last_sample=pending,
             start_pos=start,
             new_slots=req.slots[start:],
             prefix_slots=req.slots[:start] if not req.sent_history or req.row_dirty else [],
             mamba_slot=req.mamba_slot,
-            sample=start + n == len(seq),
+            sample=start + n == len(seq) + req.inflight,
             sampling=req.gen.sampling,
             seed=req.seed,
-            output_index=len(req.output),
+            output_index=len(req.output) + req.inflight,
             return_logprobs=req.gen.return_logprobs,
             top_logprobs=req.gen.top_logprobs,
             trace_context=req.trace_context if not req.sent_history else {},
         )
-        if ri.sample and req.grammar is not None:
-            ri.token_bitmask = req.grammar.bitmask()
+        if ri.sample:
+            req.inflight += 1
+            if req.grammar is not None:
+                ri.token_bitmask = req.grammar.bitmask()
         if not req.sent_history and req.gen.sampling.has_penalties:
             ri.history_ids = seq[:start]
         req.sent_history = True
@@ -238,6 +252,7 @@ class Batcher:
             if req.finished is None and not req.aborted and req.row is not None:
                 self.mem.cache_unfinished(req)
         for req, (tok, lp) in zip(plan.sampled, sampled, strict=True):
+            req.inflight -= 1
             if req.finished is not None or req.aborted:
                 continue
             if req.grammar is not None and not req.grammar.accept(tok):
@@ -266,6 +281,8 @@ class Batcher:
         self._release(req)
         if req in self.running:
             self.running.remove(req)
+        elif req in self.waiting:  # retracted while its last sample was in flight
+            self.waiting.remove(req)
         req.emit(FinishEvent(reason, len(req.prompt), len(req.output), req.cached_tokens, error))
 
     def _release(self, req: Req) -> None:
@@ -300,6 +317,8 @@ class Batcher:
         for req in reversed(self.running):
             req.slots, req.cache_len, req.lock, req.row = [], 0, None, None
             self.waiting.appendleft(req)
+        for req in self.waiting:
+            req.inflight = 0  # those samples died with the steps in flight
         self.running = []
         self.pending_ops = []
         log.warning("worker lost (%s); %d requests requeued", error, len(self.waiting))

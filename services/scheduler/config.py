@@ -29,6 +29,7 @@ class SchedulerConfig:
     max_prefill_tokens: int = field(default=1024, metadata=_h("prompt tokens per step (chunk budget)"))
     max_running: int = field(default=256, metadata=_h("requests running at once"))
     worker_wait_s: float = field(default=30.0, metadata=_h("how long a request waits for a worker"))
+    overlap: bool = field(default=True, metadata=_h("plan the next step while the worker runs this one"))
     check_invariants: bool = field(default=True, metadata=_h("check KV accounting whenever idle"))
     metrics_port: int = field(default=-1, metadata=_h("Prometheus port; -1 = off, 0 = pick"))
     trace_exporter: Literal["none", "console", "file", "otlp"] = field(default="none", metadata=_h("spans"))
@@ -52,4 +53,5 @@ class SchedulerConfig:
             max_running=self.max_running,
             worker_wait_s=self.worker_wait_s,
             check_invariants=self.check_invariants,
+            overlap=self.overlap,
         )

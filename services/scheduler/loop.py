@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from services.common.errors import ResourceExhausted, Unavailable
 from services.common.step import WorkerInfo
 from services.common.validation import Limits
-from services.scheduler.batcher import Batcher, BatchLimits
+from services.scheduler.batcher import Batcher, BatchLimits, Plan
 from services.scheduler.memory import KVMemory
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.request import Finish, FinishEvent, Req
@@ -37,6 +38,7 @@ class LoopConfig:
     max_running: int = 256
     worker_wait_s: float = 30.0
     check_invariants: bool = True
+    overlap: bool = True  # plan step N+1 while the worker runs step N
 
 
 @dataclass(slots=True)
@@ -45,6 +47,8 @@ class Counters:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     busy_s: float = 0.0
+    worker_idle_s: float = 0.0  # worker time between steps (what overlap hides)
+    worker_busy_s: float = 0.0  # worker forward + sampling time
 
 
 class SchedulerLoop:
@@ -161,38 +165,54 @@ class SchedulerLoop:
 
     # -- the loop -------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
+        """Plan, send, receive, commit. With ``overlap`` the next step is planned and sent while
+        the worker runs the current one (at most two in flight); results are committed in order,
+        one step behind."""
+        inflight: deque[tuple[Plan, float]] = deque()
+        depth = 2 if self.cfg.overlap else 1
         while not stop.is_set():
             if self.batcher is None or self.link is None:
+                inflight.clear()
                 await _first(self._ready.wait(), stop.wait())
                 continue
             batcher, link = self.batcher, self.link
-            plan = batcher.plan()
-            if plan is None:
+            plan = batcher.plan() if len(inflight) < depth else None
+            if plan is None and not inflight:
                 if self.cfg.check_invariants and batcher.idle:
                     batcher.mem.check_idle_invariant()
                 self._wake.clear()
                 await _first(self._wake.wait(), stop.wait())
                 continue
-            t0 = time.perf_counter()
+            done: Plan | None = None
             try:
-                await link.send(plan.step)
+                if plan is not None:
+                    await link.send(plan.step)
+                    inflight.append((plan, time.perf_counter()))
+                    if len(inflight) < depth:
+                        continue  # plan the next step while this one runs
+                done, t0 = inflight.popleft()
                 result = await link.recv()
-                batcher.commit(plan, [(o.token_id, o.logprob) for o in result.outputs])
+                batcher.commit(done, [(o.token_id, o.logprob) for o in result.outputs])
             except WorkerGone as e:
                 log.warning("%s", e)
+                inflight.clear()
                 await self.detach(str(e))
                 continue
             except Exception as e:
-                # A bug, not a lost worker: fail the requests of this step loudly, start clean.
-                log.exception("step %d failed", plan.step.step_id)
-                self._fail_step(plan.reqs, f"internal error in step {plan.step.step_id}: {e!r}")
+                # A bug, not a lost worker: fail the requests in flight loudly, start clean.
+                log.exception("step failed")
+                failed = [r for p, _ in inflight for r in p.reqs] + (done.reqs if done is not None else [])
+                inflight.clear()
+                self._fail_step(failed, f"internal error in a step: {e!r}")
                 continue
             step_s = time.perf_counter() - t0
             self.counters.busy_s += step_s
-            if self.metrics is not None:
-                self.metrics.observe(batcher, plan, result, step_s)
             self.counters.steps += 1
             self.counters.generated_tokens += len(result.outputs)
+            self.counters.worker_idle_s += result.idle_s
+            self.counters.worker_busy_s += result.forward_s + result.sample_s
+            if self.metrics is not None:
+                self.metrics.observe(batcher, done, result, step_s)
             # Let servicers stream what was just produced before planning the next step.
             await asyncio.sleep(0)
 

@@ -107,8 +107,9 @@ class KVMemory:
     def cache_and_release(self, req: Req) -> None:
         """Give the request's computed tokens to the cache (dedup frees the duplicates), unlock
         its old path, free everything the cache did not take, and forget the slots."""
-        computed, m = req.computed, req.cache_len
-        # Only whole pages can be cached; a partial tail page stays the request's to free.
+        # Only known tokens with KV (a slot granted for a sample still in flight has no id yet),
+        # and only whole pages; everything past that stays the request's to free.
+        computed, m = min(req.computed, len(req.prompt) + len(req.output)), req.cache_len
         aligned = self.cache.aligned_len(computed)
         if aligned > m:
             key = CacheKey(req.seq[:aligned], req.cache_salt)
@@ -133,7 +134,7 @@ class KVMemory:
         request switches to the tree's slots and frees its duplicates; ``req.row_dirty`` then
         tells the batcher to rewrite the worker's req_to_token row before the next step.
         """
-        computed, m = req.computed, req.cache_len
+        computed, m = min(req.computed, len(req.prompt) + len(req.output)), req.cache_len
         aligned = self.cache.aligned_len(computed)
         if aligned <= m or isinstance(self.cache, NoCache):
             return

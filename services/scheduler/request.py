@@ -67,10 +67,14 @@ class Req:
     aborted: bool = False
     finished: Finish | None = None
     retractions: int = 0
+    # Samples planned in steps whose results have not come back (overlap scheduling): the next
+    # decode input is then the worker's last sample for this row, not a known id.
+    inflight: int = 0
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
 
     @property
     def seq(self) -> list[int]:
+        """Known tokens: prompt + output. ``inflight`` more are sampled but not yet known."""
         return self.prompt + self.output
 
     @property
@@ -79,12 +83,8 @@ class Req:
 
     @property
     def remaining_prefill(self) -> int:
-        """Tokens of ``seq`` without KV, except the last sampled one (decode input)."""
-        return len(self.prompt) + len(self.output) - self.computed
-
-    @property
-    def in_decode(self) -> bool:
-        return bool(self.output) and self.computed == len(self.seq) - 1
+        """Tokens without KV, counting the ``inflight`` ones not yet known (overlap)."""
+        return len(self.prompt) + len(self.output) + self.inflight - self.computed
 
     def emit(self, event: Event) -> None:
         self.events.put_nowait(event)
