@@ -122,17 +122,28 @@ BAD = [
     ("no input", pb.GenerateRequest(), "input"),
     ("empty ids", pb.GenerateRequest(input_ids=pb.TokenIds(ids=[])), "input.input_ids"),
     ("id >= vocab", pb.GenerateRequest(input_ids=pb.TokenIds(ids=[1, 10_000_000])), "vocabulary size"),
-    ("max_new_tokens > context", pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_new_tokens=10**7)),
-     "sampling.max_new_tokens"),
-    ("negative temperature", pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=-1)),
-     "sampling.temperature"),
-    ("NaN temperature", pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=math.nan)),
-     "sampling.temperature"),
+    (
+        "max_new_tokens > context",
+        pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_new_tokens=10**7)),
+        "sampling.max_new_tokens",
+    ),
+    (
+        "negative temperature",
+        pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=-1)),
+        "sampling.temperature",
+    ),
+    (
+        "NaN temperature",
+        pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=math.nan)),
+        "sampling.temperature",
+    ),
     ("top_p 0", pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_p=0.0)), "sampling.top_p"),
     ("top_p > 1", pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_p=1.5)), "sampling.top_p"),
-    ("unknown role", pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard",
-                                                                                            content="x")])),
-     "input.messages[0].role"),
+    (
+        "unknown role",
+        pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="x")])),
+        "input.messages[0].role",
+    ),
 ]
 
 

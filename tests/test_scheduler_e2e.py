@@ -68,8 +68,9 @@ def test_pool_full_stress_every_request_completes(tiny_qwen3: Path) -> None:
     eng = h.engine(tiny_qwen3, kv_cache_bytes=200 * probe.info.bytes_per_slot, max_rows=64)
     rng = random.Random(7)
     vocab = eng.info.vocab_size
-    specs = [h.Spec([rng.randrange(3, vocab) for _ in range(rng.randrange(10, 60))], rng.randrange(4, 24))
-             for _ in range(48)]
+    specs = [
+        h.Spec([rng.randrange(3, vocab) for _ in range(rng.randrange(10, 60))], rng.randrange(4, 24)) for _ in range(48)
+    ]
     need = sum(len(s.prompt) + s.max_new_tokens for s in specs)
     assert need > 4 * eng.info.num_slots  # far more than the pool holds at once
     outs, loop = h.run(eng, specs, LoopConfig(cache="radix", max_prefill_tokens=128))

@@ -91,7 +91,9 @@ def test_invalid_grammar_is_invalid_argument(grammars: GrammarService, kind: str
         _compile(grammars, kind, text)
 
 
-def test_grammar_outputs_equal_with_overlap_on_and_off(eng: h.Engine, grammars: GrammarService, tiny_qwen3: Path) -> None:
+def test_grammar_outputs_equal_with_overlap_on_and_off(
+    eng: h.Engine, grammars: GrammarService, tiny_qwen3: Path
+) -> None:
     from tests.reference import hf_tokenizer
 
     tok = hf_tokenizer(str(tiny_qwen3))
@@ -99,7 +101,9 @@ def test_grammar_outputs_equal_with_overlap_on_and_off(eng: h.Engine, grammars: 
     prompt = tok.encode("Answer: ", add_special_tokens=False)
     outs = {}
     for overlap in (True, False):
-        specs = [h.Spec(prompt, 64, ignore_eos=False, temperature=1.0, seed=i, grammar=compiled.matcher()) for i in range(8)]
+        specs = [
+            h.Spec(prompt, 64, ignore_eos=False, temperature=1.0, seed=i, grammar=compiled.matcher()) for i in range(8)
+        ]
         # Unconstrained neighbours keep overlap busy around the constrained requests.
         specs += [h.Spec(prompt, 20, temperature=1.0, seed=50 + i) for i in range(4)]
         res, _ = h.run(eng, specs, LoopConfig(overlap=overlap))

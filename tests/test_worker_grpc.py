@@ -1,0 +1,66 @@
+"""The worker over real gRPC: bad steps are refused with INVALID_ARGUMENT before any pool is
+touched, and the worker keeps serving new streams."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+from strata.worker.v1 import worker_pb2 as wpb
+from strata.worker.v1 import worker_pb2_grpc as wgrpc
+
+from services.common import step_codec
+from services.common.server import Server
+from services.common.step import ReqInput, StepRequest
+from services.worker.engine import Engine, EngineConfig
+from services.worker.server import WorkerServicer
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen3: Path) -> Engine:
+    return Engine(tiny_qwen3, EngineConfig(kv_cache_bytes=1 << 20, max_rows=4))
+
+
+def _bad_steps(e: Engine) -> dict[str, StepRequest]:
+    n, v = e.info.num_slots, e.info.vocab_size
+    ok = dict(request_id="r", row=0, input_ids=[5, 6], start_pos=0, new_slots=[0, 1])
+    return {
+        "slot out of range": StepRequest(1, reqs=[ReqInput(**{**ok, "new_slots": [0, n]})]),
+        "row out of range": StepRequest(1, reqs=[ReqInput(**{**ok, "row": 99})]),
+        "token beyond vocab": StepRequest(1, reqs=[ReqInput(**{**ok, "input_ids": [5, v]})]),
+        "slots/ids length mismatch": StepRequest(1, reqs=[ReqInput(**{**ok, "new_slots": [0]})]),
+        "bitmask wrong size": StepRequest(1, reqs=[ReqInput(**{**ok, "token_bitmask": b"\x01\x00"})]),
+        "prefix length mismatch": StepRequest(1, reqs=[ReqInput(**{**ok, "start_pos": 2, "prefix_slots": [3]})]),
+    }
+
+
+def test_bad_steps_are_invalid_argument_and_pools_survive(engine: Engine) -> None:
+    async def main() -> None:
+        server = Server()
+        server.add(wgrpc.add_WorkerServicer_to_server, WorkerServicer(engine), "strata.worker.v1.Worker")
+        port = await server.start("127.0.0.1:0")
+        k0 = engine.kv.k[0].clone()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = wgrpc.WorkerStub(ch)
+                for name, step in _bad_steps(engine).items():
+                    call = stub.Step()
+                    await call.write(step_codec.step_to_pb(step))
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await call.read()
+                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+                    assert err.value.details(), name
+                assert bool((engine.kv.k[0] == k0).all())  # nothing was written
+                # A good step on a fresh stream still works.
+                call = stub.Step()
+                good = StepRequest(2, reqs=[ReqInput("r", 0, [5, 6], 0, [0, 1])])
+                await call.write(step_codec.step_to_pb(good))
+                res = await call.read()
+                assert isinstance(res, wpb.StepResult) and len(res.outputs) == 1
+                await call.done_writing()
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
