@@ -34,7 +34,7 @@ class Spec:
     grammar: object = None  # a Matcher, used by one request only
 
 
-async def _one(loop: SchedulerLoop, rid: str, spec: Spec) -> Outcome:
+async def one(loop: SchedulerLoop, rid: str, spec: Spec) -> Outcome:
     if spec.delay_s:
         await asyncio.sleep(spec.delay_s)
     sp = pb.SamplingParams(
@@ -66,7 +66,7 @@ def run(
         outs: list[Outcome] = []
         try:
             for w in range(waves):
-                outs += await asyncio.gather(*(_one(loop, f"w{w}-r{i}", s) for i, s in enumerate(specs)))
+                outs += await asyncio.gather(*(one(loop, f"w{w}-r{i}", s) for i, s in enumerate(specs)))
         finally:
             stop.set()
             await task
