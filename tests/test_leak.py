@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -37,9 +38,11 @@ def _slope(xs: list[float], ys: list[float]) -> float:
 
 
 def _counts() -> tuple[int, int]:
+    """(live pymalloc blocks, live tensors). Blocks count every small Python object, bytes and
+    str included (``gc.get_objects`` sees containers only and would miss a leaked mask)."""
     gc.collect()
-    objs = gc.get_objects()
-    return len(objs), sum(1 for o in objs if isinstance(o, torch.Tensor))
+    tensors = sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+    return sys.getallocatedblocks(), tensors
 
 
 def test_constrained_overlap_decode_keeps_objects_and_rss_flat(tiny_qwen3: Path) -> None:
@@ -128,10 +131,11 @@ def test_soak_20k_constrained_steps_through_grpc(tiny_qwen3: Path, tmp_path: Pat
 
 def test_scaled_leak_test_is_not_vacuous() -> None:
     """The object counter sees a deliberate per-step leak."""
-    keep = []
+    keep: list[object] = []
     before, _ = _counts()
-    for _ in range(1000):
+    for i in range(1000):
         keep.append(torch.zeros(1))
+        keep.append(bytes([i % 256]) * 96)  # a mask-sized bytes object
     after, tensors = _counts()
     assert after - before >= 1000 and tensors >= 1000
     del keep
