@@ -8,14 +8,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-from strata.worker.v1 import worker_pb2 as wpb
-from strata.worker.v1 import worker_pb2_grpc as wgrpc
 
 from services.common import step_codec
 from services.common.server import Server
 from services.common.step import ReqInput, StepRequest
 from services.worker.engine import Engine, EngineConfig
 from services.worker.server import WorkerServicer
+from strata.worker.v1 import worker_pb2 as wpb
+from strata.worker.v1 import worker_pb2_grpc as wgrpc
 
 
 @pytest.fixture(scope="module")

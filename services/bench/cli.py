@@ -22,7 +22,7 @@ from typing import Any
 from services.bench.workloads import MultiTurnSpec, RandomSpec, SharedPrefixSpec
 
 DEFAULT_MODEL = "models/qwen3-bench"
-SECTION_NAMES = ("cache", "multi_turn", "stack", "hf", "profile")
+SECTION_NAMES = ("cache", "multi_turn", "stack", "overlap", "hf", "profile")
 
 # Workload sizes: default and --quick. Explicit size flags override either.
 DEFAULT: dict[str, Any] = {

@@ -47,8 +47,8 @@ from services.bench.workloads import (
 )
 from services.scheduler.loop import LoopConfig
 
-Section = Literal["cache", "multi_turn", "stack", "hf", "profile"]
-SECTIONS: tuple[Section, ...] = ("cache", "multi_turn", "stack", "hf", "profile")
+Section = Literal["cache", "multi_turn", "stack", "overlap", "hf", "profile"]
+SECTIONS: tuple[Section, ...] = ("cache", "multi_turn", "stack", "overlap", "hf", "profile")
 PROFILE_TOP = 12  # functions listed per profile
 
 
@@ -80,6 +80,7 @@ class Suite:
         self.results = BenchResults(config=_config_json(cfg), machine=machine)
         self.vocab = _vocab_size(cfg.model)
         self._stack_runs: list[RunMetrics] | None = None  # reused by the hf section
+        self._scheduler_address = ""
 
     # -- plumbing -------------------------------------------------------------------------------
     def _loop_cfg(self, cache: str) -> LoopConfig:
@@ -153,7 +154,7 @@ class Suite:
         self._compare(Comparison(name, "Σcached / Σideal", m.label, "", value, goal))
 
     @contextmanager
-    def stack(self) -> Iterator[str]:
+    def stack(self, extra_sched: tuple[str, ...] = ()) -> Iterator[str]:
         from services.common.etcd_proc import free_port
         from services.supervisor import start_stack
 
@@ -166,6 +167,7 @@ class Suite:
             str(self.cfg.max_prefill_tokens),
             "--max-running",
             str(self.cfg.max_rows),
+            *extra_sched,
         )
         self.say(f"  starting the gRPC stack (logs in {run_dir})")
         st = start_stack(
@@ -176,6 +178,7 @@ class Suite:
             scheduler_args=sched,
             say=lambda line: self.say("    " + line),
         )
+        self._scheduler_address = st.child("scheduler").address
         try:
             yield st.child("tokenizer").address
         finally:
@@ -253,6 +256,29 @@ class Suite:
         self.reuse("prefix reuse: shared prefix, gRPC stack, cache on", best, 0.95)
         self._stack_runs = grpc_runs
 
+    def section_overlap(self) -> None:
+        """The same decode-heavy workload through the gRPC stack with overlap on and off: the
+        worker's own idle time between steps, and throughput."""
+        w = random_workload(self.cfg.random, self.vocab, self.cfg.seed)
+        self.say(f"  workload {w.describe()}, concurrency {self.cfg.concurrency}")
+        runs: dict[bool, RunMetrics] = {}
+        busy: dict[bool, float] = {}
+        for overlap in (True, False):
+            with self.stack(("--overlap", str(overlap).lower())) as address:
+                before = _load(self._scheduler_address)
+                label = f"random · gRPC stack · overlap {'on' if overlap else 'off'}"
+                runs[overlap] = self.over_grpc(label, address, w)
+                after = _load(self._scheduler_address)
+            b = after.worker_busy_s - before.worker_busy_s
+            i = after.worker_idle_s - before.worker_idle_s
+            busy[overlap] = b / (b + i) if b + i > 0 else 0.0
+            self.say(f"  worker idle {i:.2f}s of {b + i:.2f}s ({1 - busy[overlap]:.1%}) with overlap {overlap}")
+        self._compare(Comparison("worker busy fraction, overlap on", "busy / (busy + idle)",
+                                 runs[True].label, "", busy[True], 0.95))  # fmt: skip
+        self._compare(Comparison("worker busy fraction, overlap off", "busy / (busy + idle)",
+                                 runs[False].label, "", busy[False], None))  # fmt: skip
+        self.ratio("overlap: throughput on / off", [runs[True]], [runs[False]], None)
+
     def section_hf(self) -> None:
         s = shared_prefix_workload(self.cfg.shared, self.vocab, self.cfg.seed)
         strata = self._stack_runs
@@ -287,6 +313,16 @@ class Suite:
             self.cfg.run_timeout_s,
         )
         self.say(f"  profiled the in-process shared-prefix run ({time.perf_counter() - t0:.1f}s)")
+
+
+def _load(address: str) -> Any:
+    import grpc
+
+    from strata.scheduler.v1 import scheduler_pb2 as spb
+    from strata.scheduler.v1 import scheduler_pb2_grpc as sgrpc
+
+    with grpc.insecure_channel(address) as ch:
+        return sgrpc.SchedulerStub(ch).GetLoad(spb.GetLoadRequest(), timeout=10)
 
 
 def _vocab_size(model: Path) -> int:

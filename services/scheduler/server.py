@@ -121,8 +121,13 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
 
     async def GetLoad(self, request: spb.GetLoadRequest, context: grpc.aio.ServicerContext) -> spb.Load:
         b = self.loop.batcher
+        c = self.loop.counters
         load = spb.Load(
-            workers=0 if self.loop.link is None else 1, prompt_tokens=self.loop.counters.prompt_tokens
+            workers=0 if self.loop.link is None else 1,
+            prompt_tokens=c.prompt_tokens,
+            steps=c.steps,
+            worker_busy_s=c.worker_busy_s,
+            worker_idle_s=c.worker_idle_s,
         )
         if b is not None:
             u = b.mem.usage()
