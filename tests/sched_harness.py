@@ -70,6 +70,8 @@ def run(
         finally:
             stop.set()
             await task
+            if loop.link is not None:
+                await loop.link.close()
         return outs, loop
 
     return asyncio.run(main())

@@ -79,6 +79,8 @@ def test_constrained_overlap_decode_keeps_objects_and_rss_flat(tiny_qwen3: Path)
                 tensors.append(float(n_tensor))
         stop.set()
         await task
+        if loop.link is not None:
+            await loop.link.close()
         return loop.counters.steps
 
     total = asyncio.run(main())

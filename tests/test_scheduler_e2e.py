@@ -129,4 +129,7 @@ def test_overlap_hides_worker_idle_time(eng: h.Engine) -> None:
         _, loop = h.run(eng, specs, LoopConfig(overlap=overlap))
         c = loop.counters
         idle[overlap] = c.worker_idle_s / (c.worker_idle_s + c.worker_busy_s)
-    assert idle[True] < idle[False]
+    # Without overlap the worker waits for every commit + plan round trip; with it the next step
+    # is already queued (DESIGN bar: idle < 5% of step time).
+    assert idle[True] < 0.05, idle
+    assert idle[False] > 2 * idle[True], idle

@@ -170,6 +170,9 @@ class SchedulerLoop:
         one step behind."""
         inflight: deque[tuple[Plan, float]] = deque()
         depth = 2 if self.cfg.overlap else 1
+        # The first step after the scheduler had no work reports the whole pause as worker idle
+        # time; that is not a scheduling gap, so it is left out of worker_idle_s.
+        from_idle = True
         while not stop.is_set():
             if self.batcher is None or self.link is None:
                 inflight.clear()
@@ -182,6 +185,7 @@ class SchedulerLoop:
                     batcher.mem.check_idle_invariant()
                 self._wake.clear()
                 await _first(self._wake.wait(), stop.wait())
+                from_idle = True
                 continue
             done: Plan | None = None
             try:
@@ -209,7 +213,9 @@ class SchedulerLoop:
             self.counters.busy_s += step_s
             self.counters.steps += 1
             self.counters.generated_tokens += len(result.outputs)
-            self.counters.worker_idle_s += result.idle_s
+            if not from_idle:
+                self.counters.worker_idle_s += result.idle_s
+            from_idle = False
             self.counters.worker_busy_s += result.forward_s + result.sample_s
             if self.metrics is not None:
                 self.metrics.observe(batcher, done, result, step_s)
