@@ -133,3 +133,17 @@ def test_overlap_hides_worker_idle_time(eng: h.Engine) -> None:
     # is already queued (DESIGN bar: idle < 5% of step time).
     assert idle[True] < 0.05, idle
     assert idle[False] > 2 * idle[True], idle
+
+
+def test_hybrid_model_through_the_scheduler_equals_transformers(tiny_qwen3_next: Path) -> None:
+    """Qwen3-Next served by the scheduler: each row's own Mamba state, reset at admission; with
+    chunked prefill, overlap and a pool small enough to retract, greedy output equals transformers."""
+    probe = h.engine(tiny_qwen3_next, kv_cache_bytes=1 << 16, max_rows=8)
+    eng = h.engine(tiny_qwen3_next, kv_cache_bytes=90 * probe.info.bytes_per_slot, max_rows=8)
+    assert eng.info.hybrid
+    prompts = _prompts(eng.info.vocab_size, seed=5)
+    want = [hf_greedy(tiny_qwen3_next, p, 8, stop_at_eos=False) for p in prompts]
+    outs, loop = h.run(eng, [h.Spec(p, 8) for p in prompts], LoopConfig(max_prefill_tokens=7), waves=2)
+    assert [o.ids for o in outs] == want + want
+    assert loop.batcher is not None and loop.batcher.retractions > 0
+    loop.batcher.mem.check_idle_invariant()

@@ -16,7 +16,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.common.step import CacheOp, ReleaseRow, ReqInput, StepRequest
+from services.common.step import CacheOp, MambaReset, ReleaseRow, ReqInput, StepRequest
 from services.scheduler.memory import KVMemory
 from services.scheduler.request import Finish, FinishEvent, Req, TokenEvent
 
@@ -71,12 +71,15 @@ def _prefilling(req: Req) -> bool:
 
 class Batcher:
     def __init__(
-        self, memory: KVMemory, limits: BatchLimits, eos: frozenset[int], context_length: int
+        self, memory: KVMemory, limits: BatchLimits, eos: frozenset[int], context_length: int, hybrid: bool = False
     ) -> None:
         self.mem = memory
         self.limits = limits
         self.eos = eos
         self.context_length = context_length
+        # Hybrid models: each row owns Mamba slot `row` (reset at admission). Reusing a cached
+        # prefix also needs the state at its end: that is the Mamba radix cache's job.
+        self.hybrid = hybrid
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.pending_ops: list[CacheOp] = []
@@ -179,6 +182,9 @@ class Batcher:
                 break
             self.waiting.popleft()
             req.row = row
+            if self.hybrid:
+                req.mamba_slot = row
+                self.pending_ops.append(MambaReset(row))
             req.sent_history = False
             if req.first_admission:
                 req.cached_tokens = matched
@@ -287,6 +293,7 @@ class Batcher:
 
     def _release(self, req: Req) -> None:
         self.mem.cache_and_release(req)
+        req.mamba_slot = None
         row = self.mem.free_row(req)
         if row is not None:
             self.pending_ops.append(ReleaseRow(row))

@@ -71,13 +71,20 @@ class SchedulerLoop:
     def attach(self, link: WorkerLink) -> None:
         """Serve with ``link``'s worker; its pools start empty."""
         info = link.info
-        mem = KVMemory(info.num_slots, info.num_rows, info.page_size, self.cfg.cache, self.cfg.eviction)
+        cache = self.cfg.cache
+        if info.hybrid and cache != "none":
+            # A cached prefix is useless to a recurrent model without the state at its end.
+            log.warning("hybrid model: prefix cache off until the Mamba radix cache is wired in")
+            cache = "none"
+        if info.hybrid and info.num_mamba_slots < info.num_rows:
+            raise ValueError(f"worker has {info.num_mamba_slots} Mamba slots for {info.num_rows} rows")
+        mem = KVMemory(info.num_slots, info.num_rows, info.page_size, cache, self.cfg.eviction)
         limits = BatchLimits(
             max_prefill_tokens=self.cfg.max_prefill_tokens,
             max_running=min(self.cfg.max_running, info.num_rows),
             fcfs=self.cfg.policy == "fcfs",
         )
-        batcher = Batcher(mem, limits, frozenset(info.eos_token_ids), info.context_length)
+        batcher = Batcher(mem, limits, frozenset(info.eos_token_ids), info.context_length, info.hybrid)
         for req in self._orphans:
             batcher.waiting.append(req)
         self._orphans = []
