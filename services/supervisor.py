@@ -124,7 +124,7 @@ def start_stack(
         say(f"etcd       {stack.etcd_endpoint}")
         e = ("--etcd", stack.etcd_endpoint)
         specs = [
-            ("kvstore", [*_module("kvstore"), *e, *kvstore_args]),
+            ("kvstore", [*_module("kvstore"), *e, *common_args, *kvstore_args]),
             ("worker", [*_module("worker"), "--model", str(model), *e, *common_args, *worker_args]),
             ("scheduler", [*_module("scheduler"), "--tokenizer", str(model), *e, *common_args, *scheduler_args]),
             (

@@ -200,7 +200,8 @@ def test_client_cancel_and_abort_free_slots(api: pgrpc.StrataStub, stack: Stack)
 
 
 def test_one_trace_id_across_services(api: pgrpc.StrataStub, stack: Stack) -> None:
-    api.Generate(pb.GenerateRequest(request_id="traced", text=PROMPTS[2], sampling=_greedy(4)))
+    # Long enough for whole L3 pages, so the scheduler's L3 lookup has keys to ask for.
+    list(api.Generate(pb.GenerateRequest(request_id="traced", text=" ".join(PROMPTS * 12), sampling=_greedy(4))))
     deadline = time.monotonic() + 10
     services: set[str] = set()
     while time.monotonic() < deadline:
@@ -212,10 +213,11 @@ def test_one_trace_id_across_services(api: pgrpc.StrataStub, stack: Stack) -> No
         if traced:
             tid = traced[-1]["trace_id"]
             services = {s["service"] for s in spans if s["trace_id"] == tid}
-            if {"tokenizer", "scheduler", "worker"} <= services:
+            if {"tokenizer", "scheduler", "worker", "kvstore"} <= services:
                 break
         time.sleep(0.2)
-    assert {"tokenizer", "scheduler", "worker"} <= services, services
+    # The scheduler asks the kvstore shards (L3) for the prompt's pages at admission.
+    assert {"tokenizer", "scheduler", "worker", "kvstore"} <= services, services
 
 
 def test_worker_killed_leaves_discovery_and_restart_is_used(stack: Stack, api: pgrpc.StrataStub) -> None:

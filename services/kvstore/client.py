@@ -12,6 +12,7 @@ from types import TracebackType
 
 import grpc
 
+from services.common import telemetry
 from services.common.server import CHANNEL_OPTIONS
 from services.kvstore.backends import BackendStats, PutResult
 from strata.kvstore.v1 import kvstore_pb2 as pb
@@ -67,15 +68,15 @@ class KVStoreClient:
     ``timeout_s`` is the deadline of each call (a whole Put or Get stream included).
     """
 
-    def __init__(
-        self, address: str, *, batch_bytes: int = DEFAULT_BATCH_BYTES, timeout_s: float = 30.0
-    ) -> None:
+    def __init__(self, address: str, *, batch_bytes: int = DEFAULT_BATCH_BYTES, timeout_s: float = 30.0) -> None:
         if batch_bytes < 1:
             raise ValueError(f"batch_bytes must be >= 1, got {batch_bytes}")
         self.address = address
         self._batch_bytes = batch_bytes
         self._timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(
+            address, options=CHANNEL_OPTIONS, interceptors=telemetry.client_interceptors()
+        )
         self._stub = pb_grpc.KVStoreStub(self._channel)
 
     async def put(self, pages: Pages) -> PutResult:

@@ -23,6 +23,7 @@ class SchedulerConfig:
     model: str = field(default="", metadata=_h("serve only workers of this model name (empty = any)"))
     tokenizer: str = field(default="", metadata=_h("model directory whose tokenizer compiles grammars"))
     grammar_cache: int = field(default=64, metadata=_h("compiled grammars kept (LRU)"))
+    l3_lookup: bool = field(default=True, metadata=_h("ask the kvstore shards (L3) for a prompt's pages"))
     cache: Literal["radix", "none"] = field(default="radix", metadata=_h("prefix cache"))
     eviction: Literal["lru", "lfu"] = field(default="lru", metadata=_h("prefix cache eviction order"))
     policy: Literal["fcfs", "lpm"] = field(default="fcfs", metadata=_h("admission order"))

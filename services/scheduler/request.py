@@ -61,6 +61,7 @@ class Req:
     cache_len: int = 0  # prefix tokens owned by the cache and locked by this request
     lock: Any = None  # the cache node locked for slots[:cache_len]
     cached_tokens: int = 0  # prompt tokens reused on first admission (reported as usage)
+    l3_pages: int = 0  # leading prompt pages the shared store (L3) holds, at submission
     first_admission: bool = True
     sent_history: bool = False
     row_dirty: bool = False  # the worker's row holds slots the cache replaced: resend them

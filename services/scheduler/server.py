@@ -21,6 +21,7 @@ from services.common.metrics import start_metrics_server
 from services.common.server import Server, install_stop_signals, setup_logging
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.grammar import Constraint, GrammarService, Matcher
+from services.scheduler.l3_lookup import L3Lookup
 from services.scheduler.loop import SchedulerLoop
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.request import Finish, FinishEvent, Req, TokenEvent
@@ -40,8 +41,11 @@ _FINISH = {
 
 
 class SchedulerServicer(sgrpc.SchedulerServicer):
-    def __init__(self, loop: SchedulerLoop, tokenizer_dir: str = "", grammar_cache: int = 64) -> None:
+    def __init__(
+        self, loop: SchedulerLoop, tokenizer_dir: str = "", grammar_cache: int = 64, l3: L3Lookup | None = None
+    ) -> None:
         self.loop = loop
+        self.l3 = l3
         self._tokenizer_dir = tokenizer_dir
         self._grammar_cache = grammar_cache
         self._grammars: GrammarService | None = None
@@ -85,6 +89,10 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
             raise AlreadyExists(f"request_id: {rid!r} is already running")
         seed = gen.seed if gen.seed is not None else secrets.randbits(63)
         req = Req(rid, ids, gen, seed, request.cache_salt, trace_context=telemetry.inject_context(), grammar=matcher)
+        if self.l3 is not None:
+            info = self.loop.info
+            assert info is not None
+            req.l3_pages = await self.l3.leading_pages(ids, request.cache_salt, info)
         self.loop.submit(req)
         try:
             while True:
@@ -187,7 +195,10 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event, ready: asyncio.Event 
     registry = CollectorRegistry()
     loop = SchedulerLoop(cfg.loop(), SchedulerMetrics(registry))
     server = Server(telemetry.server_interceptors())
-    servicer = SchedulerServicer(loop, cfg.tokenizer, cfg.grammar_cache)
+    l3 = L3Lookup(cfg.etcd) if cfg.etcd and cfg.l3_lookup else None
+    if l3 is not None:
+        await l3.start()
+    servicer = SchedulerServicer(loop, cfg.tokenizer, cfg.grammar_cache, l3)
     server.add(sgrpc.add_SchedulerServicer_to_server, servicer, "strata.scheduler.v1.Scheduler")
     port = await server.start(f"{cfg.host}:{cfg.port}")
     address = f"{cfg.host}:{port}"
@@ -211,6 +222,8 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event, ready: asyncio.Event 
         await registration.stop()
     if loop.link is not None:
         await loop.link.close()
+    if l3 is not None:
+        await l3.close()
     await server.stop()
     telemetry.shutdown_tracing()
 
