@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,8 +32,10 @@ class Child:
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
     address: str = ""
+    _offset: int = 0  # where this start's output begins in the (appended) log
 
     def start(self, env: dict[str, str]) -> None:
+        self._offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child process
         self.proc = subprocess.Popen(
             self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -42,7 +45,10 @@ class Child:
     def wait_ready(self, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for line in self.log_path.read_text(errors="replace").splitlines():
+            with open(self.log_path, "rb") as f:  # only this start's lines: an old READY is stale
+                f.seek(self._offset)
+                lines = f.read().decode(errors="replace").splitlines()
+            for line in lines:
                 if line.startswith(f"READY {self.name} "):
                     self.address = line.split()[2]
                     return self.address
@@ -118,6 +124,9 @@ def start_stack(
         if etcd:
             stack.etcd_endpoint = etcd
         else:
+            # A fresh member each time: a reused data dir would bring back the last run's
+            # registrations (with dead addresses) until their leases expire.
+            shutil.rmtree(run_dir / "etcd-data", ignore_errors=True)
             stack.etcd = EtcdProcess(run_dir / "etcd-data", client_port=free_port(), peer_port=free_port())
             stack.etcd.start()
             stack.etcd_endpoint = stack.etcd.endpoint
