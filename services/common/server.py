@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common import config
 from services.common.errors import ErrorInterceptor
 
 log = logging.getLogger(__name__)
+
+C = TypeVar("C")
 
 # Pages travel in batches of several MiB; keep headroom over the largest batch we send.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -85,3 +89,24 @@ def setup_logging(service: str, level: str = "info") -> None:
         level=getattr(logging, level.upper(), logging.INFO),
         format=f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s",
     )
+
+
+def run_service(
+    name: str, cfg_cls: type[C], serve: Callable[[C, asyncio.Event], Awaitable[None]], argv: Sequence[str] | None
+) -> None:
+    """The ``main`` of every service: flags (or ``--config FILE``) → frozen config → logs → serve
+    until SIGINT / SIGTERM. A bad configuration exits with status 2 and a message naming the key."""
+    parser = argparse.ArgumentParser(prog=f"strata serve {name}")
+    config.add_arguments(parser, cfg_cls)
+    try:
+        cfg = config.from_args(cfg_cls, parser.parse_args(argv))
+    except config.ConfigError as e:
+        parser.error(str(e))
+    setup_logging(name, getattr(cfg, "log_level", "info"))
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        install_stop_signals(stop)
+        await serve(cfg, stop)
+
+    asyncio.run(run())

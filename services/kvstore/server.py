@@ -6,7 +6,6 @@ Run in-process (``build_server`` / ``serve``, as tests and the supervisor do) or
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -17,13 +16,12 @@ from typing import Any, TypeVar, cast
 import grpc
 from prometheus_client import CollectorRegistry
 
-from services.common import config as common_config
 from services.common import telemetry
 from services.common.discovery import Registration as EtcdRegistration
 from services.common.discovery import ServiceRecord
 from services.common.errors import InvalidArgument
 from services.common.metrics import MetricFactory, start_metrics_server
-from services.common.server import Server, install_stop_signals, setup_logging
+from services.common.server import Server, run_service
 from services.kvstore.backends import Backend, FileBackend, MemoryBackend, check_keys
 from services.kvstore.config import KVStoreConfig
 from strata.kvstore.v1 import kvstore_pb2 as pb
@@ -193,17 +191,7 @@ async def serve(cfg: KVStoreConfig, stop: asyncio.Event, registration: Registrat
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.kvstore.server", description=__doc__)
-    common_config.add_arguments(parser, KVStoreConfig)
-    cfg = common_config.from_args(KVStoreConfig, parser.parse_args(argv))
-    setup_logging("kvstore", cfg.log_level)
-
-    async def run() -> None:
-        stop = asyncio.Event()
-        install_stop_signals(stop)
-        await serve(cfg, stop)
-
-    asyncio.run(run())
+    run_service("kvstore", KVStoreConfig, serve, argv)
 
 
 if __name__ == "__main__":

@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
 import secrets
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 from prometheus_client import CollectorRegistry
 
-from services.common import config as cfgmod
 from services.common import step_codec, telemetry, validation
 from services.common.discovery import Discovery, Registration, ServiceRecord
 from services.common.errors import AlreadyExists, FailedPrecondition
 from services.common.metrics import start_metrics_server
-from services.common.server import Server, install_stop_signals, setup_logging
+from services.common.server import Server, run_service
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.grammar import Constraint, GrammarService, Matcher
 from services.scheduler.l3_lookup import L3Lookup
@@ -228,18 +226,8 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event, ready: asyncio.Event 
     telemetry.shutdown_tracing()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="strata serve scheduler")
-    cfgmod.add_arguments(parser, SchedulerConfig)
-    cfg = cfgmod.from_args(SchedulerConfig, parser.parse_args(argv))
-    setup_logging("scheduler", cfg.log_level)
-
-    async def run() -> None:
-        stop = asyncio.Event()
-        install_stop_signals(stop)
-        await serve(cfg, stop)
-
-    asyncio.run(run())
+def main(argv: Sequence[str] | None = None) -> None:
+    run_service("scheduler", SchedulerConfig, serve, argv)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import time
@@ -13,12 +12,11 @@ from pathlib import Path
 import grpc
 from prometheus_client import CollectorRegistry
 
-from services.common import config as cfgmod
 from services.common import telemetry, validation
 from services.common.discovery import ModelRegistry, Registration, ServiceRecord
 from services.common.errors import InvalidArgument, StrataError
 from services.common.metrics import MetricFactory, start_metrics_server
-from services.common.server import Server, install_stop_signals, setup_logging
+from services.common.server import Server, run_service
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.model_files import ModelCard, load_tokenizer, read_card
@@ -271,18 +269,8 @@ async def serve(cfg: TokenizerConfig, stop: asyncio.Event) -> None:
     telemetry.shutdown_tracing()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="strata serve tokenizer")
-    cfgmod.add_arguments(parser, TokenizerConfig)
-    cfg = cfgmod.from_args(TokenizerConfig, parser.parse_args(argv))
-    setup_logging("tokenizer", cfg.log_level)
-
-    async def run() -> None:
-        stop = asyncio.Event()
-        install_stop_signals(stop)
-        await serve(cfg, stop)
-
-    asyncio.run(run())
+def main(argv: Sequence[str] | None = None) -> None:
+    run_service("tokenizer", TokenizerConfig, serve, argv)
 
 
 if __name__ == "__main__":

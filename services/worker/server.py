@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import grpc
 from prometheus_client import CollectorRegistry
 
-from services.common import config as cfgmod
 from services.common import step_codec, telemetry
 from services.common.discovery import ModelRegistry, Registration, ServiceRecord
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.metrics import MetricFactory, start_metrics_server
-from services.common.server import Server, install_stop_signals, setup_logging
+from services.common.server import Server, run_service
 from services.common.step import StepRequest, StepResult
 from services.worker.config import WorkerConfig
 from services.worker.engine import Engine, EngineConfig
@@ -137,18 +135,8 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
     telemetry.shutdown_tracing()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="strata serve worker")
-    cfgmod.add_arguments(parser, WorkerConfig)
-    cfg = cfgmod.from_args(WorkerConfig, parser.parse_args(argv))
-    setup_logging("worker", cfg.log_level)
-
-    async def run() -> None:
-        stop = asyncio.Event()
-        install_stop_signals(stop)
-        await serve(cfg, stop)
-
-    asyncio.run(run())
+def main(argv: Sequence[str] | None = None) -> None:
+    run_service("worker", WorkerConfig, serve, argv)
 
 
 if __name__ == "__main__":

@@ -32,11 +32,11 @@ from services.scheduler.cache.base import (
     MatchResult,
     PrefixCache,
 )
+from services.scheduler.cache.tree_util import as_array as _as_array
+from services.scheduler.cache.tree_util import common_prefix as _common_prefix
 
 EvictionPolicy = Literal["lru", "lfu"]
 
-# Below this many tokens a Python scan is cheaper than more rounds of slicing.
-_SCAN_CHUNK = 32
 
 
 class RadixNode(CacheHandle):
@@ -52,30 +52,6 @@ class RadixNode(CacheHandle):
         self.last_access = 0
         self.hits = 0
         self.evicted = False
-
-
-def _as_array(tokens: Sequence[int]) -> array[int]:
-    if isinstance(tokens, array) and tokens.typecode == "i":
-        return tokens
-    return array("i", tokens)
-
-
-def _common_prefix(key: array[int], pos: int, edge: array[int], limit: int) -> int:
-    """Length of the common prefix of key[pos:pos+limit] and edge[:limit]; limit <= len(edge)."""
-    if key[pos : pos + limit] == (edge if limit == len(edge) else edge[:limit]):
-        return limit
-    # Invariant: the first `lo` tokens agree, and a mismatch lies in [lo, hi).
-    lo, hi = 0, limit
-    while hi - lo > _SCAN_CHUNK:
-        mid = (lo + hi) // 2
-        if key[pos + lo : pos + mid] == edge[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    for i in range(lo, hi):
-        if key[pos + i] != edge[i]:
-            return i
-    return hi
 
 
 class RadixCache(PrefixCache):
