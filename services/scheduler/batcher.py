@@ -97,7 +97,7 @@ class Batcher:
     def plan(self) -> Plan | None:
         self._drop_aborted()
         inputs: list[tuple[Req, int]] = []  # (req, number of new tokens)
-        self._schedule_decodes(inputs)
+        decodes = self._schedule_decodes(inputs)
         budget = self.limits.max_prefill_tokens
         for req in self.running:
             if _prefilling(req) and budget > 0:
@@ -118,8 +118,9 @@ class Batcher:
         step = StepRequest(self.step_id, ops=self.pending_ops, reqs=[])
         self.pending_ops = []
         plan = Plan(step, [])
+        decoding = set(map(id, decodes))
         for req, n in inputs:
-            if not _decoding(req) or n > 1:
+            if id(req) not in decoding:  # a prefill chunk: its tokens go into the tree on commit
                 plan.prefills.append(req)
             plan.step.reqs.append(self._input(req, n))
             plan.reqs.append(req)
@@ -127,7 +128,9 @@ class Batcher:
                 plan.sampled.append(req)
         return plan
 
-    def _schedule_decodes(self, inputs: list[tuple[Req, int]]) -> None:
+    def _schedule_decodes(self, inputs: list[tuple[Req, int]]) -> list[Req]:
+        """One token for each decoding request (retracting the newest when memory is short);
+        returns the requests scheduled to decode."""
         decodes = [r for r in self.running if _decoding(r) and self._may_decode(r)]
         i = 0
         while i < len(decodes):
@@ -145,6 +148,7 @@ class Batcher:
                 if j < i:
                     i -= 1
                     inputs[:] = [(r, n) for r, n in inputs if r is not victim]
+        return [r for r, _ in inputs]  # only decodes were added so far
 
     def _may_decode(self, req: Req) -> bool:
         """Another token may be planned now. A grammar's next mask depends on the pending token,

@@ -101,6 +101,10 @@ class InProcessWorkerLink:
         self._loop = asyncio.get_running_loop()
         self._todo: queue.Queue[StepRequest | None] = queue.Queue(MAX_IN_FLIGHT)
         self._done: asyncio.Queue[StepResult | BaseException] = asyncio.Queue()
+        # Steps that were already queued when the worker finished the previous one (overlap
+        # working: the worker never waited for the scheduler), out of all steps run.
+        self.steps_ready = 0
+        self.steps_run = 0
         self._thread = threading.Thread(target=self._serve, name="in-process-worker", daemon=True)
         self._thread.start()
 
@@ -110,6 +114,10 @@ class InProcessWorkerLink:
                 out: StepResult | BaseException = self._engine.step(step)
             except BaseException as e:  # handed to recv(), which raises it in the loop
                 out = e
+            self.steps_run += 1
+            # Sampled before this result is posted: only a step sent ahead of it (overlap) counts.
+            if not self._todo.empty():
+                self.steps_ready += 1
             try:
                 self._loop.call_soon_threadsafe(self._done.put_nowait, out)
             except RuntimeError:  # the event loop is gone: nobody is waiting for results
