@@ -109,3 +109,15 @@ def test_grammar_outputs_equal_with_overlap_on_and_off(
         res, _ = h.run(eng, specs, LoopConfig(overlap=overlap))
         outs[overlap] = [o.ids for o in res]
     assert outs[True] == outs[False]
+
+
+def test_bounded_json_string_refuses_surrogate_bytes(grammars: GrammarService, tiny_qwen3: Path) -> None:
+    """ED A9 81 encodes U+DA41, a surrogate: not valid UTF-8, so no JSON string may contain it."""
+    from tests.reference import hf_tokenizer
+
+    tok = hf_tokenizer(str(tiny_qwen3))
+    m = _compile(grammars, "json_schema", json.dumps(SCHEMA)).matcher()
+    for t in tok.encode('{"name": "', add_special_tokens=False):
+        assert m.accept(t)
+    byte_tokens = tok.convert_tokens_to_ids(["í", "©", "Ł"])  # byte-level BPE spellings of ED A9 81
+    assert not all(m.accept(t) for t in byte_tokens)

@@ -336,9 +336,11 @@ def _bit(words: np.ndarray, token_id: int) -> bool:
 # (mlc-ai/xgrammar#800): it admits raw U+0000-U+001F, which JSON forbids in strings (strict
 # parsers reject the output), and no escapes. We swap in one JSON character, escapes included;
 # once xgrammar emits something else this matches nothing and the grammar is used as is.
+# Surrogates (U+D800-U+DFFF) are excluded too: their 3-byte forms are not valid UTF-8, and a
+# byte-level vocabulary can spell them (a random model did: ED A9 81 inside a name).
 _BOUNDED_STRING_CHAR = re.compile(r'^(\S+_characters) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
 _JSON_CHAR = (
-    r'(([^\0-\x1f\"\\]) | ("\\" [\"\\/bfnrt]) '
+    r'(([^\0-\x1f\"\\\uD800-\uDFFF]) | ("\\" [\"\\/bfnrt]) '
     r'| ("\\u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))'
 )
 
