@@ -100,15 +100,20 @@ def test_grammar_outputs_equal_with_overlap_on_and_off(
     compiled = _compile(grammars, "regex", REGEX)
     prompt = tok.encode("Answer: ", add_special_tokens=False)
     outs = {}
+    late = {}
     for overlap in (True, False):
         specs = [
             h.Spec(prompt, 64, ignore_eos=False, temperature=1.0, seed=i, grammar=compiled.matcher()) for i in range(8)
         ]
         # Unconstrained neighbours keep overlap busy around the constrained requests.
         specs += [h.Spec(prompt, 20, temperature=1.0, seed=50 + i) for i in range(4)]
-        res, _ = h.run(eng, specs, LoopConfig(overlap=overlap))
+        res, loop = h.run(eng, specs, LoopConfig(overlap=overlap))
         outs[overlap] = [o.ids for o in res]
+        assert loop.batcher is not None
+        late[overlap] = loop.batcher.late_masks_sent
     assert outs[True] == outs[False]
+    # With overlap, constrained decodes ran ahead of their masks (the worker waited for them).
+    assert late[True] > 0 and late[False] == 0, late
 
 
 def test_bounded_json_string_refuses_surrogate_bytes(grammars: GrammarService, tiny_qwen3: Path) -> None:

@@ -92,6 +92,9 @@ class ReqInput:
     use_last_sample: bool = False
     # W3C trace context (traceparent / tracestate) on a row's first step.
     trace_context: dict[str, str] = field(default_factory=dict)
+    # Overlap with a grammar: this sample's bitmask depends on the previous step's token, so it
+    # arrives after the step (``LateMasks``); the worker runs the forward and waits for it.
+    mask_follows: bool = False
 
     @property
     def num_new(self) -> int:
@@ -103,6 +106,14 @@ class StepRequest:
     step_id: int
     ops: list[CacheOp] = field(default_factory=list)
     reqs: list[ReqInput] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class LateMasks:
+    """The bitmasks of step ``step_id``'s requests with ``mask_follows``, in request order."""
+
+    step_id: int
+    masks: list[bytes]
 
 
 @dataclass(frozen=True, slots=True)

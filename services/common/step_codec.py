@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from services.common.step import (
     CacheOp,
+    LateMasks,
     MambaCopy,
     MambaReset,
     ReleaseRow,
@@ -98,6 +99,7 @@ def step_to_pb(s: StepRequest) -> wpb.StepRequest:
             top_logprobs=r.top_logprobs,
             use_last_sample=r.use_last_sample,
             trace_context=r.trace_context,
+            mask_follows=r.mask_follows,
         )
         for r in s.reqs
     ]
@@ -124,10 +126,22 @@ def step_from_pb(m: wpb.StepRequest) -> StepRequest:
             top_logprobs=r.top_logprobs,
             use_last_sample=r.use_last_sample,
             trace_context=dict(r.trace_context),
+            mask_follows=r.mask_follows,
         )
         for r in m.reqs
     ]
     return StepRequest(step_id=m.step_id, ops=[_op_from_pb(o) for o in m.ops], reqs=reqs)
+
+
+def late_masks_to_pb(m: LateMasks) -> wpb.StepRequest:
+    return wpb.StepRequest(late_masks=wpb.LateMasks(step_id=m.step_id, token_bitmasks=m.masks))
+
+
+def late_masks_from_pb(m: wpb.StepRequest) -> LateMasks | None:
+    """The late masks a message carries, or None for an ordinary step."""
+    if not m.HasField("late_masks"):
+        return None
+    return LateMasks(m.late_masks.step_id, list(m.late_masks.token_bitmasks))
 
 
 def result_to_pb(r: StepResult) -> wpb.StepResult:

@@ -16,7 +16,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.common.step import CacheOp, MambaReset, ReleaseRow, ReqInput, StepRequest
+from services.common.step import CacheOp, LateMasks, MambaReset, ReleaseRow, ReqInput, StepRequest
 from services.scheduler.memory import KVMemory
 from services.scheduler.request import Finish, FinishEvent, Req, TokenEvent
 
@@ -35,6 +35,7 @@ class Plan:
     step: StepRequest
     reqs: list[Req]  # one per ReqInput, same order
     prefills: list[Req] = field(default_factory=list)  # inputs that were prefill chunks
+    late: list[Req] = field(default_factory=list)  # samples whose grammar mask is sent after commit
     sampled: list[Req] = field(default_factory=list)  # those with sample=True, in order
 
 
@@ -88,6 +89,7 @@ class Batcher:
         self.cached_tokens = 0  # Σ prompt tokens reused on first admission
         self.prompt_tokens = 0  # Σ prompt tokens on first admission
         self.held_back = 0  # admissions deferred to wait for a sibling's prefix
+        self.late_masks_sent = 0  # grammar masks sent after their step (overlap with grammars)
 
     @property
     def idle(self) -> bool:
@@ -122,7 +124,10 @@ class Batcher:
         for req, n in inputs:
             if id(req) not in decoding:  # a prefill chunk: its tokens go into the tree on commit
                 plan.prefills.append(req)
-            plan.step.reqs.append(self._input(req, n))
+            ri = self._input(req, n)
+            if ri.mask_follows:
+                plan.late.append(req)
+            plan.step.reqs.append(ri)
             plan.reqs.append(req)
             if plan.step.reqs[-1].sample:
                 plan.sampled.append(req)
@@ -151,10 +156,7 @@ class Batcher:
         return [r for r, _ in inputs]  # only decodes were added so far
 
     def _may_decode(self, req: Req) -> bool:
-        """Another token may be planned now. A grammar's next mask depends on the pending token,
-        so a constrained request waits for it (overlap off for that request, on for the rest)."""
-        if req.inflight and req.grammar is not None:
-            return False
+        """Another token may be planned now (counting the ones still in flight)."""
         total = len(req.output) + req.inflight
         return total < req.gen.max_new_tokens and len(req.prompt) + total < self.context_length
 
@@ -246,14 +248,25 @@ class Batcher:
             trace_context=req.trace_context if not req.sent_history else {},
         )
         if ri.sample:
-            req.inflight += 1
             if req.grammar is not None:
-                ri.token_bitmask = req.grammar.bitmask()
+                if req.inflight:  # the mask depends on a token still in flight: sent after commit
+                    ri.mask_follows = True
+                else:
+                    ri.token_bitmask = req.grammar.bitmask()
+            req.inflight += 1
         if not req.sent_history and req.gen.sampling.has_penalties:
             ri.history_ids = seq[:start]
         req.sent_history = True
         req.row_dirty = False
         return ri
+
+    def late_masks(self, plan: Plan, vocab_size: int) -> LateMasks:
+        """The masks of ``plan``'s constrained samples, now that the previous step is committed.
+        A request that finished meanwhile gets an all-allowing mask: its sample is discarded."""
+        allow_all = b"\xff" * (4 * ((vocab_size + 31) // 32))
+        masks = [r.grammar.bitmask() if r.grammar is not None else allow_all for r in plan.late]
+        self.late_masks_sent += len(masks)
+        return LateMasks(plan.step.step_id, masks)
 
     # -- commit ---------------------------------------------------------------------------------
     def commit(self, plan: Plan, sampled: list[tuple[int, object]]) -> None:

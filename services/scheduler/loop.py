@@ -204,6 +204,8 @@ class SchedulerLoop:
                 done, t0 = inflight.popleft()
                 result = await link.recv()
                 batcher.commit(done, [(o.token_id, o.logprob) for o in result.outputs])
+                if inflight and inflight[0][0].late:  # the next step waits for these masks
+                    await link.send_masks(batcher.late_masks(inflight[0][0], link.info.vocab_size))
             except WorkerGone as e:
                 log.warning("%s", e)
                 inflight.clear()

@@ -19,7 +19,7 @@ import grpc
 from services.common import step_codec
 from services.common.errors import Unavailable
 from services.common.server import CHANNEL_OPTIONS
-from services.common.step import StepRequest, StepResult, WorkerInfo
+from services.common.step import LateMasks, StepRequest, StepResult, WorkerInfo
 from strata.worker.v1 import worker_pb2 as wpb
 from strata.worker.v1 import worker_pb2_grpc as wgrpc
 
@@ -36,6 +36,10 @@ class WorkerLink(Protocol):
 
     async def send(self, step: StepRequest) -> None:
         """Queue a step for execution (at most MAX_IN_FLIGHT unanswered)."""
+
+    async def send_masks(self, masks: LateMasks) -> None:
+        """Late bitmasks of the step that is waiting for them (sent right after the previous
+        step's result was committed)."""
 
     async def recv(self) -> StepResult:
         """The result of the oldest unanswered step; raises WorkerGone if the worker died."""
@@ -73,6 +77,9 @@ class GrpcWorkerLink:
     async def send(self, step: StepRequest) -> None:
         await self._outbox.put(step_codec.step_to_pb(step))
 
+    async def send_masks(self, masks: LateMasks) -> None:
+        await self._outbox.put(step_codec.late_masks_to_pb(masks))
+
     async def recv(self) -> StepResult:
         try:
             msg = await self._call.read()
@@ -100,6 +107,7 @@ class InProcessWorkerLink:
         self.info: WorkerInfo = engine.info
         self._loop = asyncio.get_running_loop()
         self._todo: queue.Queue[StepRequest | None] = queue.Queue(MAX_IN_FLIGHT)
+        self._masks: queue.Queue[LateMasks] = queue.Queue(MAX_IN_FLIGHT)
         self._done: asyncio.Queue[StepResult | BaseException] = asyncio.Queue()
         # Steps that were already queued when the worker finished the previous one (overlap
         # working: the worker never waited for the scheduler), out of all steps run.
@@ -111,7 +119,7 @@ class InProcessWorkerLink:
     def _serve(self) -> None:
         while (step := self._todo.get()) is not None:
             try:
-                out: StepResult | BaseException = self._engine.step(step)
+                out: StepResult | BaseException = self._engine.step(step, self._late_masks)
             except BaseException as e:  # handed to recv(), which raises it in the loop
                 out = e
             self.steps_run += 1
@@ -123,8 +131,14 @@ class InProcessWorkerLink:
             except RuntimeError:  # the event loop is gone: nobody is waiting for results
                 return
 
+    def _late_masks(self) -> LateMasks:
+        return self._masks.get(timeout=60.0)
+
     async def send(self, step: StepRequest) -> None:
         await asyncio.to_thread(self._todo.put, step)
+
+    async def send_masks(self, masks: LateMasks) -> None:
+        await asyncio.to_thread(self._masks.put, masks)
 
     async def recv(self) -> StepResult:
         out = await self._done.get()

@@ -18,6 +18,7 @@ for the row; it must therefore list the whole prompt and prior output).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, cast
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Literal, cast
 import torch
 
 from services.common.step import (
+    LateMasks,
     MambaCopy,
     MambaReset,
     ReleaseRow,
@@ -40,7 +42,7 @@ from services.worker.loader import fingerprint, load_model
 from services.worker.models.registry import CausalLM
 from services.worker.pools import KVPool, ReqToTokenTable
 from services.worker.sampler import MAX_TOP_LOGPROBS, SamplerInput, sample
-from services.worker.step_check import check_step
+from services.worker.step_check import check_step, decode_bitmask
 
 if TYPE_CHECKING:
     from services.worker.mamba_pool import MambaPool
@@ -136,16 +138,22 @@ class Engine:
 
     # -- public ----------------------------------------------------------------------------------
 
-    def step(self, req: StepRequest) -> StepResult:
-        """Validate, run ops, forward and sample. ``StepError`` leaves every pool untouched."""
+    def step(self, req: StepRequest, late_masks: Callable[[], LateMasks] | None = None) -> StepResult:
+        """Validate, run ops, forward and sample. ``StepError`` leaves every pool untouched.
+
+        Requests with ``mask_follows`` get their bitmasks from ``late_masks`` (blocking) after the
+        forward: the scheduler sends them once the previous step's tokens are known (overlap with
+        grammars). The wait counts as idle time. Bad late masks raise ``StepError`` after the
+        forward (its KV is written to slots the scheduler already owns; nothing else changes).
+        """
         start = time.perf_counter()
         idle = 0.0 if self._last_end is None else start - self._last_end
         try:
             with torch.inference_mode():
-                result = self._step(req)
+                result = self._step(req, late_masks)
         finally:
             self._last_end = time.perf_counter()
-        result.idle_s = idle
+        result.idle_s += idle
         return result
 
     def forward_logits(self, req: StepRequest) -> torch.Tensor:
@@ -162,8 +170,11 @@ class Engine:
 
     # -- stages ----------------------------------------------------------------------------------
 
-    def _step(self, req: StepRequest) -> StepResult:
+    def _step(self, req: StepRequest, late_masks: Callable[[], LateMasks] | None) -> StepResult:
         masks = self._validate(req)
+        late = [i for i, r in enumerate(req.reqs) if r.mask_follows]
+        if late and late_masks is None:
+            raise StepError(f"step {req.step_id}: mask_follows is set but no late masks can arrive")
         self._run_ops(req)
         result = StepResult(step_id=req.step_id, ops_done=len(req.ops))
         if not req.reqs:
@@ -173,9 +184,25 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # so forward_s measures the forward, not the launch
         t1 = time.perf_counter()
+        if late:
+            assert late_masks is not None
+            self._apply_late_masks(req, late, late_masks(), masks)
+        t2 = time.perf_counter()
         result.outputs = self._sample(req.reqs, masks, logits.float())
-        result.forward_s, result.sample_s = t1 - t0, time.perf_counter() - t1
+        result.forward_s, result.sample_s = t1 - t0, time.perf_counter() - t2
+        result.idle_s = t2 - t1 if late else 0.0  # waiting for the late masks
         return result
+
+    def _apply_late_masks(
+        self, req: StepRequest, late: list[int], lm: LateMasks, masks: list[torch.Tensor | None]
+    ) -> None:
+        if lm.step_id != req.step_id or len(lm.masks) != len(late):
+            raise StepError(
+                f"late masks for step {lm.step_id} ({len(lm.masks)} masks) do not match step "
+                f"{req.step_id} ({len(late)} requests with mask_follows)"
+            )
+        for i, raw in zip(late, lm.masks, strict=True):
+            masks[i] = decode_bitmask(raw, self.info.vocab_size, f"step {req.step_id} late mask {i}")
 
     def _validate(self, req: StepRequest) -> list[torch.Tensor | None]:
         """All checks of ``check_step``; returns the decoded bitmask of each request."""

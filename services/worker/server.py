@@ -15,13 +15,17 @@ from services.common.discovery import ModelRegistry, Registration, ServiceRecord
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.metrics import MetricFactory, start_metrics_server
 from services.common.server import Server, run_service
-from services.common.step import StepRequest, StepResult
+from services.common.step import LateMasks, StepRequest, StepResult
 from services.worker.config import WorkerConfig
 from services.worker.engine import Engine, EngineConfig
 from strata.worker.v1 import worker_pb2 as wpb
 from strata.worker.v1 import worker_pb2_grpc as wgrpc
 
 log = logging.getLogger(__name__)
+
+# A step waiting for its late bitmasks gives up after this long (the scheduler sends them as soon
+# as the previous step's result is committed: milliseconds).
+LATE_MASK_TIMEOUT_S = 60.0
 
 
 class WorkerMetrics:
@@ -61,14 +65,29 @@ class WorkerServicer(wgrpc.WorkerServicer):
         if self._busy:
             raise FailedPrecondition("this worker already serves a scheduler's step stream")
         self._busy = True
+        loop = asyncio.get_running_loop()
+        it = request_iterator.__aiter__()
+
+        async def next_late_masks() -> LateMasks:
+            msg = await it.__anext__()
+            masks = step_codec.late_masks_from_pb(msg)
+            if masks is None:
+                raise InvalidArgument(f"step {msg.step_id} arrived while a step waited for its late masks")
+            return masks
+
+        def wait_late_masks() -> LateMasks:  # called from the engine's thread
+            return asyncio.run_coroutine_threadsafe(next_late_masks(), loop).result(LATE_MASK_TIMEOUT_S)
+
         try:
-            async for msg in request_iterator:
+            async for msg in it:
+                if msg.HasField("late_masks"):
+                    raise InvalidArgument(f"late masks for step {msg.late_masks.step_id} with no step waiting")
                 try:
                     step = step_codec.step_from_pb(msg)
                 except ValueError as e:
                     raise InvalidArgument(f"step {msg.step_id}: {e}") from e
                 self._trace_new_requests(step)
-                result = await asyncio.to_thread(self.engine.step, step)
+                result = await asyncio.to_thread(self.engine.step, step, wait_late_masks)
                 if self.metrics is not None:
                     self.metrics.observe(step, result)
                 yield step_codec.result_to_pb(result)

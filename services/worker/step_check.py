@@ -83,7 +83,7 @@ def check_step(
         bad = [t for t in r.history_ids if not 0 <= t < vocab_size]
         if bad:
             raise StepError(f"{where}: history_ids has token {bad[0]} outside [0, {vocab_size})")
-        masks.append(None if r.token_bitmask is None else _bitmask(r.token_bitmask, vocab_size, where))
+        masks.append(None if r.token_bitmask is None else decode_bitmask(r.token_bitmask, vocab_size, where))
     return masks
 
 
@@ -147,7 +147,7 @@ def _check_slots(r: ReqInput, where: str, num_slots: int, seen: set[int]) -> Non
         raise StepError(f"{where}: new_slots repeats a slot already written in this step")
 
 
-def _bitmask(raw: bytes, vocab_size: int, where: str) -> torch.Tensor:
+def decode_bitmask(raw: bytes, vocab_size: int, where: str) -> torch.Tensor:
     words = -(-vocab_size // _WORD_BITS)
     if len(raw) != 4 * words:
         raise StepError(
