@@ -245,10 +245,10 @@ def test_greedy_64_tokens_identical_to_generate(ckpt: Checkpoint) -> None:
 
 @pytest.mark.parametrize("length", [1, 5, 64, 150])
 def test_chunked_delta_rule_equals_recurrence(length: int) -> None:
-    """The chunked extend (used for prefill chunks) equals the token-by-token kernel reference,
-    from a non-zero state and with grouped value heads, and leaves the same state."""
-    from kernels.gated_delta import gated_delta_extend
-    from services.worker.models.delta_chunked import gated_delta_extend_chunked
+    """The chunked extend the model runs for prefill chunks (``gated_delta_extend``'s CPU
+    reference) equals the token-by-token recurrence, from a non-zero state and with grouped value
+    heads, and leaves the same state."""
+    from kernels.gated_delta import gated_delta_extend, gated_delta_extend_loop
 
     g = torch.Generator().manual_seed(length)
     hk, hv, dk, dv = 2, 4, 8, 6
@@ -259,8 +259,8 @@ def test_chunked_delta_rule_equals_recurrence(length: int) -> None:
     beta = torch.rand(length, hv, generator=g)
     state = torch.randn(3, hv, dk, dv, generator=g)
     other = state.clone()
-    want = gated_delta_extend(q, k, v, decay, beta, state, 1, impl="torch")
-    got = gated_delta_extend_chunked(q, k, v, decay, beta, other, 1)
+    want = gated_delta_extend_loop(q, k, v, decay, beta, state, 1)
+    got = gated_delta_extend(q, k, v, decay, beta, other, 1, impl="torch")
     assert max_diff(got, want) < 1e-5
     assert max_diff(other, state) < 1e-5
     assert torch.equal(other[0], state[0]) and torch.equal(other[2], state[2])  # other slots untouched

@@ -14,8 +14,8 @@ Per token ``t`` and value head ``h`` (``q``/``k`` L2-normalised, ``q`` scaled by
 
 An extend chunk continues from the stored state and leaves the state after its last token, so
 any split of a prompt into chunks (and decode after it) computes the same function as one-shot
-prefill (up to fp32 rounding: see ``delta_chunked.py``). Parameter names match the Hugging
-Face checkpoint (``linear_attn.*``).
+prefill (up to fp32 rounding: see ``kernels.gated_delta.gated_delta_extend_torch``). Parameter
+names match the Hugging Face checkpoint (``linear_attn.*``).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.conv1d import causal_conv1d_extend, causal_conv1d_update
-from kernels.gated_delta import gated_delta_step
-from services.worker.models.delta_chunked import gated_delta_extend_chunked
+from kernels.gated_delta import gated_delta_extend, gated_delta_step
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,9 +177,9 @@ class GatedDeltaNet(nn.Module):
             )
         for i in extend:
             s = slice(cu[i], cu[i + 1])
-            # Chunked form for extends, as transformers computes them (see delta_chunked.py).
+            # Chunked form for extends on the CPU, as transformers computes them.
             q_ext = q[s] * self.dk**-0.5
-            core[s] = gated_delta_extend_chunked(q_ext, k[s], v[s], g[s], beta[s], ssm_state, slots[i])
+            core[s] = gated_delta_extend(q_ext, k[s], v[s], g[s], beta[s], ssm_state, slots[i])
 
         out = self.norm(core.to(x.dtype), z)
         return self.out_proj(out.reshape(t, self.value_dim))
