@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 from services.scheduler.cache.base import CacheHandle, CacheKey, FreeSlots, MatchResult, PrefixCache
 from services.scheduler.cache.mamba_policy import DEFAULT_MARCONI_ALPHA, StatePolicy, state_eviction_order
-from services.scheduler.cache.tree_util import as_array, check, child_key, common_prefix
+from services.scheduler.cache.tree_util import as_array, check, child_key, common_prefix, lock_path, unlock_path
 
 FreeMamba = Callable[[list[int]], None]
 """Returns Mamba slots to the allocator; the cache calls it for states it evicts or declines."""
@@ -281,12 +281,7 @@ class MambaRadixCache(PrefixCache):
         if cur.state_lock == 1:
             self._mamba_evictable -= 1
             self._mamba_protected += 1
-        newly = 0
-        while cur.parent is not None:
-            if cur.lock_ref == 0:
-                newly += len(cur.key)
-            cur.lock_ref += 1
-            cur = cur.parent
+        newly = lock_path(cur)
         self._evictable -= newly
         self._protected += newly
 
@@ -300,12 +295,7 @@ class MambaRadixCache(PrefixCache):
         if cur.state_lock == 0:
             self._mamba_evictable += 1
             self._mamba_protected -= 1
-        released = 0
-        while cur.parent is not None:
-            cur.lock_ref -= 1
-            if cur.lock_ref == 0:
-                released += len(cur.key)
-            cur = cur.parent
+        released = unlock_path(cur)
         self._evictable += released
         self._protected -= released
 

@@ -34,9 +34,9 @@ from services.scheduler.cache.base import (
 )
 from services.scheduler.cache.tree_util import as_array as _as_array
 from services.scheduler.cache.tree_util import common_prefix as _common_prefix
+from services.scheduler.cache.tree_util import lock_path, unlock_path
 
 EvictionPolicy = Literal["lru", "lfu"]
-
 
 
 class RadixNode(CacheHandle):
@@ -134,12 +134,7 @@ class RadixCache(PrefixCache):
 
     def lock(self, node: CacheHandle) -> None:
         cur = self._node(node)
-        newly = 0
-        while cur.parent is not None:
-            if cur.lock_ref == 0:
-                newly += len(cur.key)
-            cur.lock_ref += 1
-            cur = cur.parent
+        newly = lock_path(cur)
         self._evictable -= newly
         self._protected += newly
 
@@ -147,12 +142,7 @@ class RadixCache(PrefixCache):
         cur = self._node(node)
         if cur.parent is not None and cur.lock_ref == 0:
             raise ValueError("unlock of a handle that is not locked")
-        released = 0
-        while cur.parent is not None:
-            cur.lock_ref -= 1
-            if cur.lock_ref == 0:
-                released += len(cur.key)
-            cur = cur.parent
+        released = unlock_path(cur)
         self._evictable += released
         self._protected -= released
 

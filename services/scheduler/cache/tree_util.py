@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 # Below this many tokens a Python scan is cheaper than more rounds of slicing.
 _SCAN_CHUNK = 32
@@ -51,3 +52,32 @@ def check(cond: bool, msg: str) -> None:
     """Raise AssertionError(msg) unless cond. Not `assert`: sanity checks must also run under -O."""
     if not cond:
         raise AssertionError(msg)
+
+
+class _PathNode(Protocol):
+    parent: Any
+    lock_ref: int
+    key: array[int]
+
+
+def lock_path(node: _PathNode) -> int:
+    """Add one reference to every node from ``node`` up to (not including) the root; returns how
+    many tokens became locked (nodes whose count went 0 -> 1)."""
+    newly = 0
+    while node.parent is not None:
+        if node.lock_ref == 0:
+            newly += len(node.key)
+        node.lock_ref += 1
+        node = node.parent
+    return newly
+
+
+def unlock_path(node: _PathNode) -> int:
+    """Drop one reference along the same path; returns how many tokens became unlocked."""
+    released = 0
+    while node.parent is not None:
+        node.lock_ref -= 1
+        if node.lock_ref == 0:
+            released += len(node.key)
+        node = node.parent
+    return released
