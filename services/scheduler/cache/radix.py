@@ -33,8 +33,8 @@ from services.scheduler.cache.base import (
     PrefixCache,
 )
 from services.scheduler.cache.tree_util import as_array as _as_array
+from services.scheduler.cache.tree_util import child_key, lock_path, unlock_path
 from services.scheduler.cache.tree_util import common_prefix as _common_prefix
-from services.scheduler.cache.tree_util import lock_path, unlock_path
 
 EvictionPolicy = Literal["lru", "lfu"]
 
@@ -166,9 +166,7 @@ class RadixCache(PrefixCache):
     # -- internals ------------------------------------------------------------------------------
 
     def _child_key(self, tokens: array[int], pos: int = 0) -> int | bytes:
-        if self.page_size == 1:
-            return tokens[pos]
-        return tokens[pos : pos + self.page_size].tobytes()
+        return child_key(tokens, pos, self.page_size)
 
     def _node(self, handle: CacheHandle) -> RadixNode:
         if not isinstance(handle, RadixNode):
