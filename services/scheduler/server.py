@@ -94,14 +94,12 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
         self.loop.submit(req)
         try:
             while True:
-                event = await req.events.get()
-                if isinstance(event, TokenEvent):
-                    ids_out, lps = list(event.token_ids), list(event.logprobs)
-                    # Coalesce what is already queued into one message.
-                    while not req.events.empty() and isinstance(nxt := req.events._queue[0], TokenEvent):  # type: ignore[attr-defined]
-                        req.events.get_nowait()
-                        ids_out += nxt.token_ids
-                        lps += nxt.logprobs
+                # Everything already queued goes out in one message (tokens first, then the end).
+                events = [await req.events.get()]
+                while not req.events.empty():
+                    events.append(req.events.get_nowait())
+                tokens = [e for e in events if isinstance(e, TokenEvent)]
+                if tokens:
                     # Usage so far rides along, so a client that stops early still knows its cache hit.
                     usage = pb.Usage(
                         prompt_tokens=len(ids),
@@ -110,12 +108,13 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
                     )
                     yield spb.GenerateResponse(
                         request_id=rid,
-                        token_ids=ids_out,
-                        logprobs=[step_codec.logprob_to_pb(lp) for lp in lps],
+                        token_ids=[t for e in tokens for t in e.token_ids],
+                        logprobs=[step_codec.logprob_to_pb(lp) for e in tokens for lp in e.logprobs],
                         usage=usage,
                     )
-                else:
-                    yield _final(rid, event)
+                end = next((e for e in events if isinstance(e, FinishEvent)), None)
+                if end is not None:
+                    yield _final(rid, end)
                     return
         finally:
             if req.finished is None:  # the client went away: free its memory
