@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from services.common import validation
 from services.scheduler.loop import LoopConfig, SchedulerLoop
@@ -12,6 +14,8 @@ from services.scheduler.request import FinishEvent, Req, TokenEvent
 from services.scheduler.worker_link import InProcessWorkerLink
 from services.worker.engine import Engine, EngineConfig
 from strata.v1 import strata_pb2 as pb
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,5 +81,27 @@ def run(
     return asyncio.run(main())
 
 
-def engine(model: Path, kv_cache_bytes: int = 1 << 22, max_rows: int = 32) -> Engine:
-    return Engine(model, EngineConfig(kv_cache_bytes=kv_cache_bytes, max_rows=max_rows))
+def engine(
+    model: Path, kv_cache_bytes: int = 1 << 22, max_rows: int = 32, mamba_slots: int = 0, page_size: int = 1
+) -> Engine:
+    cfg = EngineConfig(kv_cache_bytes=kv_cache_bytes, max_rows=max_rows, mamba_slots=mamba_slots, page_size=page_size)
+    return Engine(model, cfg)
+
+
+def serve(engine: Engine, cfg: LoopConfig, body: Callable[[SchedulerLoop], Awaitable[T]]) -> tuple[T, SchedulerLoop]:
+    """Run ``body(loop)`` while a scheduler loop serves ``engine`` in-process; returns its result."""
+
+    async def main() -> tuple[T, SchedulerLoop]:
+        loop = SchedulerLoop(cfg)
+        loop.attach(InProcessWorkerLink(engine))
+        stop = asyncio.Event()
+        task = asyncio.create_task(loop.run(stop))
+        try:
+            return await body(loop), loop
+        finally:
+            stop.set()
+            await task
+            if loop.link is not None:
+                await loop.link.close()
+
+    return asyncio.run(main())

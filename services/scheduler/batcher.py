@@ -16,9 +16,10 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.common.step import CacheOp, LateMasks, MambaReset, ReleaseRow, ReqInput, StepRequest
+from services.common.step import CacheOp, LateMasks, ReleaseRow, ReqInput, StepRequest
+from services.scheduler.hybrid_memory import HybridMemory
 from services.scheduler.memory import KVMemory
-from services.scheduler.request import Finish, FinishEvent, Req, TokenEvent
+from services.scheduler.request import Finish, FinishEvent, Fork, Req, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class Plan:
     prefills: list[Req] = field(default_factory=list)  # inputs that were prefill chunks
     late: list[Req] = field(default_factory=list)  # samples whose grammar mask is sent after commit
     sampled: list[Req] = field(default_factory=list)  # those with sample=True, in order
+    forks: list[tuple[Req, Fork]] = field(default_factory=list)  # checkpoints to insert on commit
 
 
 # Waiting for a sibling is only worth it when it saves at least this many tokens of prefill.
@@ -71,16 +73,14 @@ def _prefilling(req: Req) -> bool:
 
 
 class Batcher:
-    def __init__(
-        self, memory: KVMemory, limits: BatchLimits, eos: frozenset[int], context_length: int, hybrid: bool = False
-    ) -> None:
+    def __init__(self, memory: KVMemory, limits: BatchLimits, eos: frozenset[int], context_length: int) -> None:
         self.mem = memory
         self.limits = limits
         self.eos = eos
         self.context_length = context_length
-        # Hybrid models: each row owns Mamba slot `row` (reset at admission). Reusing a cached
-        # prefix also needs the state at its end: that is the Mamba radix cache's job.
-        self.hybrid = hybrid
+        # Hybrid models: Mamba working states, copy-on-write from cached states and checkpoint
+        # forks (see hybrid_memory.py); None for dense models.
+        self.hybrid: HybridMemory | None = memory if isinstance(memory, HybridMemory) else None
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.pending_ops: list[CacheOp] = []
@@ -103,7 +103,7 @@ class Batcher:
         budget = self.limits.max_prefill_tokens
         for req in self.running:
             if _prefilling(req) and budget > 0:
-                n = self._grant(req, min(req.remaining_prefill, budget))
+                n = self._grant(req, self._chunk(req, min(req.remaining_prefill, budget)))
                 if n:
                     inputs.append((req, n))
                     budget -= n
@@ -114,10 +114,13 @@ class Batcher:
             if self._retract_newest(exclude=self.running[0]) is None:
                 raise AssertionError("a single prefilling request cannot fit the pool")
             return self.plan()
-        if not inputs and not self.pending_ops:
+        hy = self.hybrid
+        if not inputs and not self.pending_ops and not (hy is not None and (hy.ops or hy.head_ops)):
             return None
         self.step_id += 1
-        step = StepRequest(self.step_id, ops=self.pending_ops, reqs=[])
+        # Forks planned in earlier steps run first, before this step's forward moves the states.
+        ops = self.pending_ops if hy is None else hy.take_ops(hy.take_head()) + self.pending_ops
+        step = StepRequest(self.step_id, ops=ops, reqs=[])
         self.pending_ops = []
         plan = Plan(step, [])
         decoding = set(map(id, decodes))
@@ -125,6 +128,8 @@ class Batcher:
             if id(req) not in decoding:  # a prefill chunk: its tokens go into the tree on commit
                 plan.prefills.append(req)
             ri = self._input(req, n)
+            if hy is not None and (fork := hy.planned(req, req.planned_len)) is not None:
+                plan.forks.append((req, fork))
             if ri.mask_follows:
                 plan.late.append(req)
             plan.step.reqs.append(ri)
@@ -177,10 +182,16 @@ class Batcher:
             if row is None:
                 break
             matched = self.mem.match(req)
+            if self.hybrid is not None:
+                self.hybrid.plan_checkpoints(req)
             need = len(req.seq) - matched
-            chunk = min(need, budget)
+            chunk = self._chunk(req, min(need, budget))
             # Keep room for the decodes of everyone running (one token each next step).
-            if self.mem.available() - len(self.running) < chunk or not self._grant(req, chunk):
+            if (
+                self.mem.available() - len(self.running) < chunk
+                or not self._grant(req, chunk)
+                or (self.hybrid is not None and not self.hybrid.start_state(req))
+            ):
                 self.mem.cache_and_release(req)
                 self.mem.rows.free(row)
                 if not self.running and not inputs:
@@ -188,9 +199,6 @@ class Batcher:
                 break
             self.waiting.popleft()
             req.row = row
-            if self.hybrid:
-                req.mamba_slot = row
-                self.pending_ops.append(MambaReset(row))
             req.sent_history = False
             if req.first_admission:
                 req.cached_tokens = matched
@@ -221,8 +229,13 @@ class Batcher:
             if matched < 0:
                 matched = self.mem.prefix_len(req)
             if reach >= matched + max(self.mem.page_size, MIN_HOLD_TOKENS):
+                if self.hybrid is not None:  # a state where the prompts part makes the wait pay
+                    self.hybrid.add_branch_hint(other, reach)
                 return True
         return False
+
+    def _chunk(self, req: Req, n: int) -> int:
+        return n if self.hybrid is None else self.hybrid.chunk_limit(req, n)
 
     def _input(self, req: Req, n: int) -> ReqInput:
         start = req.computed - n
@@ -258,6 +271,7 @@ class Batcher:
             ri.history_ids = seq[:start]
         req.sent_history = True
         req.row_dirty = False
+        req.planned_len = start + n
         return ri
 
     def late_masks(self, plan: Plan, vocab_size: int) -> LateMasks:
@@ -274,6 +288,10 @@ class Batcher:
         for req in plan.prefills:
             if req.finished is None and not req.aborted and req.row is not None:
                 self.mem.cache_unfinished(req)
+        if self.hybrid is not None:
+            for req, fork in plan.forks:
+                if req.finished is None and not req.aborted and req.row is not None:
+                    self.hybrid.insert_fork(req, fork)
         for req, (tok, lp) in zip(plan.sampled, sampled, strict=True):
             req.inflight -= 1
             if req.finished is not None or req.aborted:
@@ -339,7 +357,8 @@ class Batcher:
     def fail_all(self, error: str) -> None:
         """The worker is gone: requeue running requests (their KV is lost) at the front."""
         for req in reversed(self.running):
-            req.slots, req.cache_len, req.lock, req.row = [], 0, None, None
+            req.slots, req.cache_len, req.lock, req.row, req.planned_len = [], 0, None, None, 0
+            req.mamba_slot, req.forks, req.checkpoints, req.branch_hints = None, [], [], []
             self.waiting.appendleft(req)
         for req in self.waiting:
             req.inflight = 0  # those samples died with the steps in flight

@@ -31,6 +31,12 @@ class SchedulerConfig:
     max_running: int = field(default=256, metadata=_h("requests running at once"))
     worker_wait_s: float = field(default=30.0, metadata=_h("how long a request waits for a worker"))
     overlap: bool = field(default=True, metadata=_h("plan the next step while the worker runs this one"))
+    mamba_policy: Literal["marconi", "lru"] = field(
+        default="marconi", metadata=_h("hybrid models: which cached state to evict first")
+    )
+    checkpoint_every: int = field(
+        default=0, metadata=_h("hybrid models: checkpoint the state every N prompt tokens; 0 = max_prefill_tokens")
+    )
     check_invariants: bool = field(default=True, metadata=_h("check KV accounting whenever idle"))
     metrics_port: int = field(default=-1, metadata=_h("Prometheus port; -1 = off, 0 = pick"))
     trace_exporter: Literal["none", "console", "file", "otlp"] = field(default="none", metadata=_h("spans"))
@@ -44,6 +50,8 @@ class SchedulerConfig:
             raise ConfigError("max_prefill_tokens: must be >= 1")
         if self.max_running < 1:
             raise ConfigError("max_running: must be >= 1")
+        if self.checkpoint_every < 0:
+            raise ConfigError("checkpoint_every: must be >= 0 (0 = max_prefill_tokens)")
 
     def loop(self) -> LoopConfig:
         return LoopConfig(
@@ -55,4 +63,6 @@ class SchedulerConfig:
             worker_wait_s=self.worker_wait_s,
             check_invariants=self.check_invariants,
             overlap=self.overlap,
+            mamba_policy=self.mamba_policy,
+            checkpoint_every=self.checkpoint_every,
         )

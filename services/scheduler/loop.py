@@ -21,6 +21,7 @@ from services.common.errors import ResourceExhausted, Unavailable
 from services.common.step import WorkerInfo
 from services.common.validation import Limits
 from services.scheduler.batcher import Batcher, BatchLimits, Plan
+from services.scheduler.hybrid_memory import HybridMemory
 from services.scheduler.memory import KVMemory
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.request import Finish, FinishEvent, Req
@@ -39,6 +40,8 @@ class LoopConfig:
     worker_wait_s: float = 30.0
     check_invariants: bool = True
     overlap: bool = True  # plan step N+1 while the worker runs step N
+    mamba_policy: str = "marconi"  # hybrid models: cached-state eviction, "marconi" | "lru"
+    checkpoint_every: int = 0  # hybrid models: state checkpoint grid in tokens; 0 = max_prefill_tokens
 
 
 @dataclass(slots=True)
@@ -71,20 +74,22 @@ class SchedulerLoop:
     def attach(self, link: WorkerLink) -> None:
         """Serve with ``link``'s worker; its pools start empty."""
         info = link.info
-        cache = self.cfg.cache
-        if info.hybrid and cache != "none":
-            # A cached prefix is useless to a recurrent model without the state at its end.
-            log.warning("hybrid model: prefix cache off until the Mamba radix cache is wired in")
-            cache = "none"
-        if info.hybrid and info.num_mamba_slots < info.num_rows:
-            raise ValueError(f"worker has {info.num_mamba_slots} Mamba slots for {info.num_rows} rows")
-        mem = KVMemory(info.num_slots, info.num_rows, info.page_size, cache, self.cfg.eviction)
+        cfg = self.cfg
+        mem: KVMemory
+        if info.hybrid:
+            mem = HybridMemory(
+                info.num_slots, info.num_rows, info.page_size, cfg.cache, info.num_mamba_slots,
+                state_policy="lru" if cfg.mamba_policy == "lru" else "marconi",
+                checkpoint_every=cfg.checkpoint_every or cfg.max_prefill_tokens,
+            )
+        else:
+            mem = KVMemory(info.num_slots, info.num_rows, info.page_size, cfg.cache, cfg.eviction)
         limits = BatchLimits(
             max_prefill_tokens=self.cfg.max_prefill_tokens,
             max_running=min(self.cfg.max_running, info.num_rows),
             fcfs=self.cfg.policy == "fcfs",
         )
-        batcher = Batcher(mem, limits, frozenset(info.eos_token_ids), info.context_length, info.hybrid)
+        batcher = Batcher(mem, limits, frozenset(info.eos_token_ids), info.context_length)
         for req in self._orphans:
             batcher.waiting.append(req)
         self._orphans = []

@@ -54,6 +54,7 @@ class KVMemory:
         seq = req.seq
         m = self.cache.match_prefix(CacheKey(seq[: len(seq) - 1], req.cache_salt))
         n = len(m.slots)
+        req.planned_len = n
         if n:
             self.cache.lock(m.node)
             req.lock = m.node
@@ -107,9 +108,10 @@ class KVMemory:
     def cache_and_release(self, req: Req) -> None:
         """Give the request's computed tokens to the cache (dedup frees the duplicates), unlock
         its old path, free everything the cache did not take, and forget the slots."""
-        # Only known tokens with KV (a slot granted for a sample still in flight has no id yet),
-        # and only whole pages; everything past that stays the request's to free.
-        computed, m = min(req.computed, len(req.prompt) + len(req.output)), req.cache_len
+        # Only known tokens whose KV a planned step writes (a slot granted for a sample still in
+        # flight has no id yet; one granted in a plan that then retracted the request was never
+        # sent), and only whole pages; everything past that stays the request's to free.
+        computed, m = min(req.planned_len, len(req.prompt) + len(req.output)), req.cache_len
         aligned = self.cache.aligned_len(computed)
         if aligned > m:
             key = CacheKey(req.seq[:aligned], req.cache_salt)
@@ -124,7 +126,7 @@ class KVMemory:
             self.slots.free(self._pages(to_free))
         req.lock = None
         req.slots = []
-        req.cache_len = 0
+        req.cache_len = req.planned_len = 0
 
     def cache_unfinished(self, req: Req) -> None:
         """Insert a running request's computed prefix into the tree (after a prefill chunk), so

@@ -39,6 +39,15 @@ Event = TokenEvent | FinishEvent
 
 
 @dataclass(eq=False, slots=True)
+class Fork:
+    """A Mamba slot a hybrid request copies its working state into once it has computed ``pos``
+    tokens, to donate to the prefix cache as a checkpoint (compared by identity)."""
+
+    pos: int
+    slot: int
+
+
+@dataclass(eq=False, slots=True)
 class Req:
     """One generation request.
 
@@ -59,6 +68,17 @@ class Req:
     row: int | None = None
     mamba_slot: int | None = None
     cache_len: int = 0  # prefix tokens owned by the cache and locked by this request
+    # Tokens covered by inputs of steps already planned (<= computed: a slot granted in a plan
+    # that then retracted the request was never written).
+    planned_len: int = 0
+    # Hybrid models (see services.scheduler.hybrid_memory): where to fork the working state into
+    # the cache, positions siblings wait for, forks not yet in the tree, the matched state and
+    # where the prompt left the tree at admission.
+    checkpoints: list[int] = field(default_factory=list)
+    branch_hints: list[int] = field(default_factory=list)
+    forks: list[Fork] = field(default_factory=list)
+    matched_state: int | None = None
+    branch_len: int = 0
     lock: Any = None  # the cache node locked for slots[:cache_len]
     cached_tokens: int = 0  # prompt tokens reused on first admission (reported as usage)
     l3_pages: int = 0  # leading prompt pages the shared store (L3) holds, at submission
