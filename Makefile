@@ -8,11 +8,12 @@ MODELS := models
 TINY := $(MODELS)/qwen3-tiny
 TINY_NEXT := $(MODELS)/qwen3-next-tiny
 BENCH_MODEL := $(MODELS)/qwen3-bench
+BENCH_NEXT := $(MODELS)/qwen3-next-bench
 PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := strata/.generated
 PORT ?= 50051
 
-.PHONY: run test test-all soak bench lint protos install system-deps models clean
+.PHONY: run test test-all soak bench bench-hybrid lint protos install system-deps models clean
 
 run: install models
 	$(BIN)/strata up --model $(TINY) --port $(PORT)
@@ -33,6 +34,14 @@ bench: install models $(BENCH_MODEL)/config.json
 
 $(BENCH_MODEL)/config.json: | install
 	$(BIN)/strata model tiny --arch qwen3 --size bench --out $(BENCH_MODEL)
+
+# Hybrid (Qwen3-Next) vs dense prefix reuse on a multi-turn trace, and Marconi vs LRU state
+# eviction (~5 min); writes docs/bench/hybrid.json and prints the table of docs/benchmarks.md.
+bench-hybrid: install $(BENCH_MODEL)/config.json $(BENCH_NEXT)/config.json
+	$(BIN)/python -m services.bench.hybrid --dense $(BENCH_MODEL) --hybrid $(BENCH_NEXT)
+
+$(BENCH_NEXT)/config.json: | install
+	$(BIN)/strata model tiny --arch qwen3-next --size bench --out $(BENCH_NEXT)
 
 lint: install
 	$(BIN)/ruff check services kernels tests

@@ -167,22 +167,21 @@ def test_forks_run_first_in_the_next_step_and_cow_reads_them_later() -> None:
 def test_admission_waits_for_a_state_slot_instead_of_failing() -> None:
     mem = HybridMemory(64, 2, 1, "radix", 2, checkpoint_every=0)
     b = Batcher(mem, BatchLimits(max_prefill_tokens=64, max_running=2), frozenset({EOS}), 256)
-    # x leaves two states in the cache: a checkpoint at its prompt end (4) and its working state,
-    # donated at 6 (its last token has no KV). y locks the one at 6, evicts the one at 4 for its
-    # working state; then no slot is free or evictable and z must wait.
+    # x leaves its working state in the cache, donated at 6 (its last token has no KV). y locks
+    # it and takes the free slot; then no slot is free or evictable and z must wait.
     x = _req("x", [5, 6, 7, 8], 3, ignore_eos=True)
     b.waiting.append(x)
     while x.finished is None:
         p = b.plan()
         assert p is not None
         b.commit(p, [(3, None)] * len(p.sampled))
-    assert mem.states.available == 0 and mem.mcache is not None and mem.mcache.mamba_evictable == 2
+    assert mem.states.available == 1 and mem.mcache is not None and mem.mcache.mamba_evictable == 1
     y = _req("y", [5, 6, 7, 8, 3, 3, 9], 4, ignore_eos=True)
     z = _req("z", [9, 9, 9], 1, ignore_eos=True)
     b.waiting.extend([y, z])
     p = b.plan()
     assert p is not None and p.reqs == [y] and list(b.waiting) == [z]  # z waits, nothing raised
-    assert y.cache_len == 6 and mem.states_evicted == 1 and mem.mcache.mamba_protected == 1
+    assert y.cache_len == 6 and mem.states_evicted == 0 and mem.mcache.mamba_protected == 1
     b.commit(p, [(3, None)])
     while not b.idle:
         p = b.plan()

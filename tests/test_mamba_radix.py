@@ -305,6 +305,7 @@ def test_checkpoint_positions() -> None:
     # the grid is absolute, so requests with different matches checkpoint at the same places
     assert checkpoint_positions(20, 8, 1, [], start=5) == [8, 16, 20]
     assert checkpoint_positions(10, 0, 2, [5]) == [4, 10]  # no chunk grid
+    assert checkpoint_positions(10, 4, 1, [6], include_end=False) == [4, 6, 8]
     assert checkpoint_positions(3, 4, 4, []) == []  # shorter than a page: nowhere to put a state
     with pytest.raises(ValueError):
         checkpoint_positions(10, 4, 0, [])

@@ -111,7 +111,8 @@ class HybridMemory(KVMemory):
     def _checkpoints(self, req: Req) -> list[int]:
         branches = [req.branch_len, *req.branch_hints]
         return checkpoint_positions(
-            len(req.seq), self.checkpoint_every, self.page_size, branches, start=req.cache_len
+            len(req.seq), self.checkpoint_every, self.page_size, branches, start=req.cache_len,
+            include_end=self.page_size > 1,
         )
 
     def add_branch_hint(self, req: Req, pos: int) -> None:

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 from services.common.metrics import MetricFactory
 from services.common.step import StepResult
 from services.scheduler.batcher import Batcher, Plan
+from services.scheduler.hybrid_memory import HybridMemory
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,13 @@ class SchedulerMetrics:
         self.worker_forward_seconds = m.histogram(
             "worker_forward_seconds", "Forward time reported by the worker."
         )
+        # Hybrid models only: the Mamba state pool and what the Mamba radix cache does with it.
+        self.mamba_slots = m.gauge("mamba_slots", "Mamba state slots by owner.", ["owner"])
+        self.mamba_events = m.counter(
+            "mamba_events", "Mamba state operations: cow_copy, fork, fork_inserted, fork_skipped, "
+            "donated, evicted.", ["event"],
+        )
+        self._last_mamba: dict[str, int] = {}
         self._last = (0, 0, 0, 0)  # cached tokens, retractions, evicted, prompt tokens already counted
         self._last_log = time.monotonic()
         self._tokens_since_log = 0
@@ -49,6 +57,8 @@ class SchedulerMetrics:
         self.evicted_slots.inc(batcher.mem.evicted - evicted)
         self.prompt_tokens.inc(batcher.prompt_tokens - prompt)
         self._last = (batcher.cached_tokens, batcher.retractions, batcher.mem.evicted, batcher.prompt_tokens)
+        if isinstance(batcher.mem, HybridMemory):
+            self._observe_mamba(batcher.mem)
         self.generated_tokens.inc(len(result.outputs))
         self.step_seconds.observe(step_s)
         self.worker_forward_seconds.observe(result.forward_s)
@@ -65,6 +75,21 @@ class SchedulerMetrics:
             )  # fmt: skip
             self._last_log, self._tokens_since_log = now, 0
 
+    def _observe_mamba(self, mem: HybridMemory) -> None:
+        free = mem.states.available
+        cached = (mem.mcache.mamba_evictable + mem.mcache.mamba_protected) if mem.mcache is not None else 0
+        self.mamba_slots.labels("free").set(free)
+        self.mamba_slots.labels("cache").set(cached)
+        self.mamba_slots.labels("requests").set(mem.states.size - free - cached)
+        now = {
+            "cow_copy": mem.cow_copies, "fork": mem.forks, "fork_inserted": mem.forks_inserted,
+            "fork_skipped": mem.forks_skipped, "donated": mem.donated, "evicted": mem.states_evicted,
+        }
+        for event, n in now.items():
+            self.mamba_events.labels(event).inc(n - self._last_mamba.get(event, 0))
+        self._last_mamba = now
+
     def reset(self) -> None:
         """A new batcher (worker re-attached) starts its counters from zero."""
         self._last = (0, 0, 0, 0)
+        self._last_mamba = {}

@@ -10,8 +10,10 @@ state can be cached only where a prefill chunk ends. `checkpoint_positions` pick
 - branch points learned from insertions (Marconi): where this prompt leaves the tree
   (`MambaMatch.kv_len`), or any other place the caller knows several sequences diverge. A state
   there is shared by every branch, which is where reuse actually happens;
-- the end of the prompt (whole pages only): the same prompt sent again (retries, n > 1, a fixed
-  system prompt) matches there.
+- the end of the prompt (whole pages only), when asked for: a continuation of this prompt
+  matches there. The scheduler asks only when pages are longer than one token: with one-token
+  pages a finished request donates its working state at its very end (deeper, and free), so a
+  prompt-end fork would only take a slot that a more useful state could hold.
 
 A state can only sit at the end of a whole page, so every position is rounded down to a page.
 
@@ -49,6 +51,7 @@ def checkpoint_positions(
     branch_points: Iterable[int],
     *,
     start: int = 0,
+    include_end: bool = True,
 ) -> list[int]:
     """Ascending, distinct, page-aligned positions p with start < p <= prompt_len where the request
     should fork its state into the tree during prefill. `start` is the length it matched (states at
@@ -60,7 +63,8 @@ def checkpoint_positions(
     if prompt_len < 0 or start < 0:
         raise ValueError(f"negative length: prompt_len={prompt_len}, start={start}")
     wanted: set[int] = set(branch_points)
-    wanted.add(prompt_len)
+    if include_end:
+        wanted.add(prompt_len)
     if chunk_size > 0:
         first = (start // chunk_size + 1) * chunk_size
         wanted.update(range(first, prompt_len + 1, chunk_size))
