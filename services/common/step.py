@@ -59,7 +59,23 @@ class ReleaseRow:
     row: int
 
 
-CacheOp = MambaCopy | MambaReset | ReleaseRow
+@dataclass(frozen=True, slots=True)
+class PoolResize:
+    """Set the KV and Mamba pools' capacities (absolute targets, in slots) without moving them.
+
+    Growing backs fresh slots (they read as zero, or hold what they last held when their page
+    was never released). Shrinking releases the tail: the scheduler must already have freed every
+    slot at or above the new capacity, whose contents are lost. ``kv_slots`` is in
+    ``[0, max_slots]`` and a multiple of ``WorkerInfo.slot_granularity`` (or ``max_slots``);
+    ``mamba_slots`` is in ``[0, max_mamba_slots]`` (0 on a dense model). Ops and requests after
+    it in the same step are validated against the new capacities.
+    """
+
+    kv_slots: int
+    mamba_slots: int
+
+
+CacheOp = MambaCopy | MambaReset | ReleaseRow | PoolResize
 
 
 @dataclass(slots=True)
@@ -139,6 +155,12 @@ class StepResult:
     forward_s: float = 0.0
     sample_s: float = 0.0
     idle_s: float = 0.0
+    # The pools after this step's ops (the acknowledgement of a PoolResize): capacities in slots
+    # and bytes of memory held (whole backing pages).
+    num_slots: int = 0
+    num_mamba_slots: int = 0
+    kv_committed_bytes: int = 0
+    mamba_committed_bytes: int = 0
 
 
 class StepError(ValueError):
@@ -147,7 +169,11 @@ class StepError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class WorkerInfo:
-    """What a worker serves and how big its pools are (mirrors ``strata.worker.v1.WorkerInfo``)."""
+    """What a worker serves and how big its pools are (mirrors ``strata.worker.v1.WorkerInfo``).
+
+    ``num_slots`` / ``num_mamba_slots`` are the capacities at start; ``PoolResize`` moves them
+    within ``[0, max_slots]`` / ``[0, max_mamba_slots]``.
+    """
 
     model: str
     architecture: str
@@ -164,3 +190,9 @@ class WorkerInfo:
     dtype: str
     hybrid: bool
     device: str
+    max_slots: int  # KV reservation in slots
+    max_mamba_slots: int  # Mamba reservation (0 on dense models)
+    slot_granularity: int  # KV capacities must be multiples of it (or max_slots)
+    mamba_slot_granularity: int  # Mamba capacities that are multiples of it release whole pages
+    pool_page_bytes: int  # the backing's commit unit (OS page, or CUDA VMM granularity)
+    elastic: bool  # a shrink really returns memory (False: fixed allocation, resizes are bookkeeping)

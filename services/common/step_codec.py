@@ -10,6 +10,7 @@ from services.common.step import (
     LateMasks,
     MambaCopy,
     MambaReset,
+    PoolResize,
     ReleaseRow,
     ReqInput,
     ReqOutput,
@@ -65,6 +66,8 @@ def _op_to_pb(op: CacheOp) -> wpb.CacheOp:
         return wpb.CacheOp(mamba_copy=wpb.MambaCopy(src=op.src, dst=op.dst))
     if isinstance(op, MambaReset):
         return wpb.CacheOp(mamba_reset=wpb.MambaReset(slot=op.slot))
+    if isinstance(op, PoolResize):
+        return wpb.CacheOp(pool_resize=wpb.PoolResize(kv_slots=op.kv_slots, mamba_slots=op.mamba_slots))
     return wpb.CacheOp(release_row=wpb.ReleaseRow(row=op.row))
 
 
@@ -76,6 +79,8 @@ def _op_from_pb(m: wpb.CacheOp) -> CacheOp:
         return MambaReset(m.mamba_reset.slot)
     if kind == "release_row":
         return ReleaseRow(m.release_row.row)
+    if kind == "pool_resize":
+        return PoolResize(m.pool_resize.kv_slots, m.pool_resize.mamba_slots)
     raise ValueError(f"cache op with no operation set ({kind!r})")
 
 
@@ -158,6 +163,10 @@ def result_to_pb(r: StepResult) -> wpb.StepResult:
         forward_s=r.forward_s,
         sample_s=r.sample_s,
         idle_s=r.idle_s,
+        num_slots=r.num_slots,
+        num_mamba_slots=r.num_mamba_slots,
+        kv_committed_bytes=r.kv_committed_bytes,
+        mamba_committed_bytes=r.mamba_committed_bytes,
     )
 
 
@@ -168,7 +177,18 @@ def result_from_pb(m: wpb.StepResult) -> StepResult:
         )
         for o in m.outputs
     ]
-    return StepResult(m.step_id, outs, m.ops_done, m.forward_s, m.sample_s, m.idle_s)
+    return StepResult(
+        step_id=m.step_id,
+        outputs=outs,
+        ops_done=m.ops_done,
+        forward_s=m.forward_s,
+        sample_s=m.sample_s,
+        idle_s=m.idle_s,
+        num_slots=m.num_slots,
+        num_mamba_slots=m.num_mamba_slots,
+        kv_committed_bytes=m.kv_committed_bytes,
+        mamba_committed_bytes=m.mamba_committed_bytes,
+    )
 
 
 def info_to_pb(i: WorkerInfo) -> wpb.WorkerInfo:
@@ -188,6 +208,12 @@ def info_to_pb(i: WorkerInfo) -> wpb.WorkerInfo:
         dtype=i.dtype,
         hybrid=i.hybrid,
         device=i.device,
+        max_slots=i.max_slots,
+        max_mamba_slots=i.max_mamba_slots,
+        slot_granularity=i.slot_granularity,
+        mamba_slot_granularity=i.mamba_slot_granularity,
+        pool_page_bytes=i.pool_page_bytes,
+        elastic=i.elastic,
     )
 
 
@@ -208,4 +234,10 @@ def info_from_pb(m: wpb.WorkerInfo) -> WorkerInfo:
         dtype=m.dtype,
         hybrid=m.hybrid,
         device=m.device,
+        max_slots=m.max_slots,
+        max_mamba_slots=m.max_mamba_slots,
+        slot_granularity=m.slot_granularity,
+        mamba_slot_granularity=m.mamba_slot_granularity,
+        pool_page_bytes=m.pool_page_bytes,
+        elastic=m.elastic,
     )

@@ -10,10 +10,15 @@ The bytearray doubles as the ownership record (a double free is detected, not ab
 free list: `bytearray.find` is a C `memchr`, so finding the next run of free pages costs a C scan,
 never a Python loop over the pool. Allocation is first-fit from the lowest page, so used memory
 stays packed at the front and an elastic pool can later unmap free tail pages.
+
+Elastic pools: `resize` grows at once (free slots appended at the end) and shrinks lazily: slots
+at or above the target stop being handed out immediately, and the shrink is done once every one
+of them is free. Only then may the worker be told to release them (`PoolResize`).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 _FREE = 0
@@ -25,9 +30,18 @@ class DoubleFreeError(ValueError):
 
 
 class _PageBitmap:
-    """First-fit allocator of page indices 0..count-1 over a bytearray of states."""
+    """First-fit allocator of page indices 0..limit-1 over a bytearray of states.
 
-    __slots__ = ("_count", "_free", "_lowest_free", "_ones", "_state")
+    Resizable: ``resize`` moves the *limit* (pages below it may be handed out). Growing appends
+    free pages; shrinking is lazy: pages at or above the new limit are never handed out again,
+    and those still allocated (the *pending tail*) stay tracked until they are given back; the
+    state is truncated to the limit when the last of them returns::
+
+        state:  [1 1 0 1 0 0 | 0 1 0]      limit = 6, pending tail = 1 page (index 7)
+                 usable pages ^ tail: freed pages here are not free to take
+    """
+
+    __slots__ = ("_free", "_limit", "_lowest_free", "_ones", "_state", "_tail_used")
 
     def __init__(self, count: int) -> None:
         if count < 0:
@@ -35,16 +49,49 @@ class _PageBitmap:
         self._state = bytearray(count)
         # A read-only run of ones to mark runs allocated without building a bytes object per call.
         self._ones = memoryview(b"\x01" * count)
-        self._count = count
-        self._free = count
+        self._limit = count
+        self._free = count  # free pages below the limit
+        self._tail_used = 0  # allocated pages at or above the limit
         self._lowest_free = 0
 
     @property
     def free(self) -> int:
         return self._free
 
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    @property
+    def tail_used(self) -> int:
+        return self._tail_used
+
+    @property
+    def high_water(self) -> int:
+        """1 + the highest allocated page (0 when none is): the smallest limit nothing would cut."""
+        return self._state.rfind(_USED) + 1
+
     def is_used(self, page: int) -> bool:
-        return 0 <= page < self._count and self._state[page] == _USED
+        return 0 <= page < len(self._state) and self._state[page] == _USED
+
+    def resize(self, count: int) -> None:
+        """Move the limit to ``count`` pages (see the class docstring); never fails on held pages."""
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        state = self._state
+        if count > len(state):
+            state.extend(bytes(count - len(state)))
+            if count > len(self._ones):
+                self._ones = memoryview(b"\x01" * count)
+        self._limit = count
+        self._free = state.count(_FREE, 0, count)
+        self._tail_used = state.count(_USED, count, len(state))
+        self._lowest_free = min(self._lowest_free, count)
+        self._trim()
+
+    def _trim(self) -> None:
+        if not self._tail_used and len(self._state) > self._limit:
+            del self._state[self._limit :]
 
     def take(self, k: int) -> list[int] | None:
         """Take the k lowest free pages (ascending), or None without side effects if fewer are free."""
@@ -52,16 +99,16 @@ class _PageBitmap:
             raise ValueError(f"cannot allocate a negative count ({k})")
         if k > self._free:
             return None
-        state = self._state
+        state, limit = self._state, self._limit
         pages: list[int] = []
         pos = self._lowest_free
         need = k
         while need:
-            start = state.find(_FREE, pos)
+            start = state.find(_FREE, pos, limit)
             # The run ends at the next used page, capped at what we still need.
-            end = state.find(_USED, start, start + need)
+            end = state.find(_USED, start, min(start + need, limit))
             if end < 0:
-                end = min(start + need, self._count)
+                end = min(start + need, limit)
             state[start:end] = self._ones[: end - start]
             pages.extend(range(start, end))
             need -= end - start
@@ -79,8 +126,9 @@ class _PageBitmap:
         # Linear for the ascending runs that alloc hands out and the tree stores.
         ordered = sorted(pages)
         lo, hi = ordered[0], ordered[-1]
-        if lo < 0 or hi >= self._count:
-            raise DoubleFreeError(f"page {lo if lo < 0 else hi} was never allocated (pool has {self._count})")
+        count = len(self._state)
+        if lo < 0 or hi >= count:
+            raise DoubleFreeError(f"page {lo if lo < 0 else hi} was never allocated (pool has {count})")
         if k > 1 and len(set(ordered)) != k:
             raise DoubleFreeError("the same page appears twice in one free call")
         state = self._state
@@ -96,8 +144,12 @@ class _PageBitmap:
                     raise DoubleFreeError(f"page {p} is already free")
             for p in ordered:
                 state[p] = _FREE
-        self._free += k
+        in_tail = k - bisect.bisect_left(ordered, self._limit)
+        self._free += k - in_tail
         self._lowest_free = min(self._lowest_free, lo)
+        if in_tail:
+            self._tail_used -= in_tail
+            self._trim()
 
 
 class SlotAllocator:
@@ -111,30 +163,65 @@ class SlotAllocator:
       starting at a multiple of `page_size`). Freeing a slot that is free, or was never handed out,
       raises DoubleFreeError and changes nothing; a malformed list raises ValueError.
     - The lowest free pages are always handed out first.
+    - `resize(new_size)`: growing adds free slots at the end at once; shrinking is lazy (see the
+      module docstring): `available` never counts a slot at or above `size`, `shrink_pending`
+      counts the ones still held there, and `shrink_done` says the worker may release them.
     """
 
-    __slots__ = ("_pages", "page_size", "size")
+    __slots__ = ("_pages", "page_size")
 
     def __init__(self, size: int, page_size: int = 1) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if size < 0 or size % page_size:
             raise ValueError(f"size ({size}) must be a non-negative multiple of page_size ({page_size})")
-        self.size = size
         self.page_size = page_size
         self._pages = _PageBitmap(size // page_size)
 
     @property
+    def size(self) -> int:
+        """Usable slots: the target of the last `resize` (slots 0..size-1 may be handed out)."""
+        return self._pages.limit * self.page_size
+
+    @property
     def available(self) -> int:
-        """Free slots (always a multiple of page_size)."""
+        """Free slots below `size` (always a multiple of page_size)."""
         return self._pages.free * self.page_size
+
+    @property
+    def shrink_pending(self) -> int:
+        """Slots at or above `size` still allocated: a shrink completes when this reaches 0."""
+        return self._pages.tail_used * self.page_size
+
+    @property
+    def shrink_done(self) -> bool:
+        """No slot at or above `size` is held: the worker's pool may shrink to `size` now."""
+        return self._pages.tail_used == 0
+
+    @property
+    def high_water(self) -> int:
+        """1 + the highest allocated slot's page end (0 when nothing is held): the smallest size a
+        shrink could complete at right now."""
+        return self._pages.high_water * self.page_size
+
+    def resize(self, new_size: int) -> None:
+        """Grow at once or shrink lazily to `new_size` slots (a non-negative multiple of page_size).
+
+        Held slots are never taken back: after a shrink they stay the holder's, are freed as
+        usual, and are not handed out again. A grow that reaches back over a pending tail
+        cancels that much of the shrink. Grow only once the worker's pool has (or, in the same
+        step's ops, will have) the capacity.
+        """
+        if new_size < 0 or new_size % self.page_size:
+            raise ValueError(f"size ({new_size}) must be a non-negative multiple of page_size ({self.page_size})")
+        self._pages.resize(new_size // self.page_size)
 
     def round_up(self, n: int) -> int:
         """The smallest multiple of page_size that is >= n."""
         return -(-n // self.page_size) * self.page_size
 
     def is_allocated(self, slot: int) -> bool:
-        return 0 <= slot < self.size and self._pages.is_used(slot // self.page_size)
+        return slot >= 0 and self._pages.is_used(slot // self.page_size)
 
     def alloc(self, n: int) -> list[int] | None:
         ps = self.page_size

@@ -5,7 +5,9 @@ Every slot is owned by exactly one of: the free list here, a running request (it
 state, or a fork it is about to donate), or the Mamba radix cache (a cached state). Invariant,
 checked in tests and whenever the server is idle:
 
-    available + cache.mamba_evictable + cache.mamba_protected + held by requests == size
+    available + cache.mamba_evictable + cache.mamba_protected + held by requests == size + shrink_pending
+
+(`shrink_pending` is 0 unless a lazy shrink waits for held slots at or above `size`.)
 
 Sizing (see `min_mamba_slots`): at its peak one running request holds three slots at once.
 """
@@ -41,20 +43,48 @@ class MambaSlotAllocator:
     - `free(slot)` / `free_many(slots)` raise DoubleFreeError, changing nothing, when a slot is
       free already or was never handed out. `free_many` is the `free_mamba` callback the cache
       takes.
+    - `resize(new_size)` grows at once and shrinks lazily, like `SlotAllocator.resize`:
+      `available` counts only slots below `size`; `shrink_pending` counts the held slots at or
+      above it, and the worker may release them once `shrink_done`.
     """
 
-    __slots__ = ("_slots", "size")
+    __slots__ = ("_slots",)
 
     def __init__(self, size: int) -> None:
         if size < 0:
             raise ValueError(f"size must be >= 0, got {size}")
-        self.size = size
         # The same first-fit bitmap as KV pages: one byte per slot doubles as the ownership record.
         self._slots = _PageBitmap(size)
 
     @property
+    def size(self) -> int:
+        """Usable slots: the target of the last `resize`."""
+        return self._slots.limit
+
+    @property
     def available(self) -> int:
+        """Free slots below `size`."""
         return self._slots.free
+
+    @property
+    def shrink_pending(self) -> int:
+        """Held slots at or above `size`: a shrink completes when this reaches 0."""
+        return self._slots.tail_used
+
+    @property
+    def shrink_done(self) -> bool:
+        return self._slots.tail_used == 0
+
+    @property
+    def high_water(self) -> int:
+        """1 + the highest held slot (0 when none is): the smallest size a shrink could complete at now."""
+        return self._slots.high_water
+
+    def resize(self, new_size: int) -> None:
+        """Grow at once or shrink lazily to `new_size` slots; held slots are never taken back."""
+        if new_size < 0:
+            raise ValueError(f"size must be >= 0, got {new_size}")
+        self._slots.resize(new_size)
 
     def is_allocated(self, slot: int) -> bool:
         return self._slots.is_used(slot)

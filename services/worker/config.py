@@ -27,6 +27,10 @@ class WorkerConfig:
     max_context: int = field(default=0, metadata=_h("tokens per request; 0 = the model's context length"))
     mamba_slots: int = field(default=0, metadata=_h("Mamba state slots (hybrid models); 0 = derive"))
     page_size: int = field(default=1, metadata=_h("tokens per KV page"))
+    kv_max_bytes: int = field(default=0, metadata=_h(
+        "elastic KV reservation in bytes: PoolResize may grow the KV pool up to it; 0 = kv_cache_bytes"))
+    mamba_max_slots: int = field(default=0, metadata=_h(
+        "elastic Mamba reservation in slots: PoolResize may grow the Mamba pool up to it; 0 = the starting slots"))
     metrics_port: int = field(default=-1, metadata=_h("Prometheus port; -1 = off, 0 = pick"))
     trace_exporter: Literal["none", "console", "file", "otlp"] = field(default="none", metadata=_h("spans"))
     trace_target: str = field(default="", metadata=_h("file path or OTLP endpoint for spans"))
@@ -42,3 +46,7 @@ class WorkerConfig:
             raise ConfigError("max_rows: must be >= 1")
         if self.page_size < 1:
             raise ConfigError("page_size: must be >= 1")
+        if self.kv_max_bytes and self.kv_max_bytes < self.kv_cache_bytes:
+            raise ConfigError(f"kv_max_bytes: must be 0 or >= kv_cache_bytes ({self.kv_cache_bytes})")
+        if self.mamba_max_slots < 0:
+            raise ConfigError("mamba_max_slots: must be >= 0")

@@ -24,11 +24,12 @@ import mmap
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
-from services.worker.mamba_pool import MambaSpec
+if TYPE_CHECKING:  # mamba_pool builds its tensors on this module: no import cycle at run time
+    from services.worker.mamba_pool import MambaSpec
 
 OS_PAGE_BYTES = mmap.PAGESIZE
 # Python's mmap module does not export MAP_NORESERVE; without it the kernel's overcommit

@@ -3,7 +3,8 @@
 A step runs in four stages, and nothing is mutated until the first one has passed:
 
 1. **validate** every op and request (``StepError`` naming the request and field otherwise);
-2. **ops** in order: ``MambaCopy``, ``MambaReset``, ``ReleaseRow``;
+2. **ops** in order: ``MambaCopy``, ``MambaReset``, ``ReleaseRow``, ``PoolResize`` (commits or
+   releases pool memory; the pools' tensors never move, so the forward sees the same buffers);
 3. **forward** over all requests at once (prefill chunks with or without a cached prefix and
    decodes mixed): ``prefix_slots`` and ``new_slots`` are written into each request's row of
    ``req_to_token``, then the model stores the new KV and returns logits;
@@ -17,11 +18,11 @@ for the row; it must therefore list the whole prompt and prior output).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -29,6 +30,7 @@ from services.common.step import (
     LateMasks,
     MambaCopy,
     MambaReset,
+    PoolResize,
     ReleaseRow,
     ReqInput,
     ReqOutput,
@@ -38,8 +40,10 @@ from services.common.step import (
     WorkerInfo,
 )
 from services.worker.batch import BatchEntry, ForwardBatch, ForwardContext
+from services.worker.engine_config import DTYPES, EngineConfig
 from services.worker.loader import fingerprint, load_model
 from services.worker.models.registry import CausalLM
+from services.worker.pool_backing import choose_backing
 from services.worker.pools import KVPool, ReqToTokenTable
 from services.worker.sampler import MAX_TOP_LOGPROBS, SamplerInput, sample
 from services.worker.step_check import check_step, decode_bitmask
@@ -47,43 +51,8 @@ from services.worker.step_check import check_step, decode_bitmask
 if TYPE_CHECKING:
     from services.worker.mamba_pool import MambaPool
 
-DType = Literal["float32", "bfloat16", "float16"]
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-# Peak Mamba states one row can pin at once: its own running state, the locked cached state it
-# matched, and the copy it donates to the tree when it checkpoints (see DESIGN §3).
-MAMBA_SLOTS_PER_ROW = 3
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Worker engine settings, validated at construction.
-
-    ``max_context`` ``None`` = the model's ``max_position_embeddings``; ``mamba_slots`` 0 =
-    ``MAMBA_SLOTS_PER_ROW * max_rows`` (ignored for dense models).
-    """
-
-    device: str = "cpu"
-    dtype: DType = "float32"
-    kv_cache_bytes: int = 256 << 20
-    max_rows: int = 64
-    max_context: int | None = None
-    mamba_slots: int = 0
-    page_size: int = 1
-
-    def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        for name in ("kv_cache_bytes", "max_rows", "page_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_context is not None and self.max_context < 1:
-            raise ValueError(f"EngineConfig.max_context must be >= 1 or None, got {self.max_context}")
-        if self.mamba_slots < 0:
-            raise ValueError(f"EngineConfig.mamba_slots must be >= 0, got {self.mamba_slots}")
+__all__ = ["Engine", "EngineConfig"]
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -95,16 +64,22 @@ class Engine:
         device = torch.device(cfg.device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        dtype = _DTYPES[cfg.dtype]
+        dtype = DTYPES[cfg.dtype]
         loaded = load_model(model_dir, dtype=dtype, device=str(device))
         model = cast(CausalLM, loaded.model)
         context = cfg.max_context or int(loaded.hf_config["max_position_embeddings"])
         self.cfg = cfg
         self.device = device
         self.model = model
+        backing = choose_backing(device)
+        kv_max, mamba_max = cfg.kv_max_bytes, cfg.mamba_max_slots
+        if not backing.elastic:
+            if kv_max or mamba_max:
+                log.warning("pools cannot grow beyond their starting size on %s: %s", device, backing.reason)
+            kv_max = mamba_max = 0  # a fixed allocation of the whole reservation would be wasted
         self.kv = KVPool.from_budget(
             cfg.kv_cache_bytes, model.num_kv_layers, model.num_kv_heads, model.head_dim, dtype, device,
-            cfg.page_size,
+            cfg.page_size, max_bytes=kv_max, backing=backing,
         )
         self.req_to_token = ReqToTokenTable(cfg.max_rows, context, device)
         self.mamba: MambaPool | None = None
@@ -112,7 +87,7 @@ class Engine:
         if spec is not None:
             from services.worker.mamba_pool import MambaPool as Pool  # only hybrid models need it
 
-            self.mamba = Pool(cfg.mamba_slots or MAMBA_SLOTS_PER_ROW * cfg.max_rows, spec, device)
+            self.mamba = Pool(cfg.initial_mamba_slots, spec, device, max_slots=mamba_max or None, backing=backing)
         self.info = WorkerInfo(
             model=model_dir.resolve().name,
             architecture=loaded.architecture,
@@ -129,6 +104,12 @@ class Engine:
             dtype=cfg.dtype,
             hybrid=self.mamba is not None,
             device=str(device),
+            max_slots=self.kv.max_slots,
+            max_mamba_slots=self.mamba.max_slots if self.mamba else 0,
+            slot_granularity=self.kv.slot_granularity,
+            mamba_slot_granularity=self.mamba.slot_granularity if self.mamba else 0,
+            pool_page_bytes=backing.page_bytes,
+            elastic=backing.elastic,
         )
         self._ctx = ForwardContext(self.kv, self.req_to_token.table, self.mamba)
         self._last_sample: dict[int, int] = {}
@@ -176,7 +157,14 @@ class Engine:
         if late and late_masks is None:
             raise StepError(f"step {req.step_id}: mask_follows is set but no late masks can arrive")
         self._run_ops(req)
-        result = StepResult(step_id=req.step_id, ops_done=len(req.ops))
+        result = StepResult(
+            step_id=req.step_id,
+            ops_done=len(req.ops),
+            num_slots=self.kv.num_slots,
+            num_mamba_slots=self.mamba.num_slots if self.mamba else 0,
+            kv_committed_bytes=self.kv.committed_bytes,
+            mamba_committed_bytes=self.mamba.committed_bytes if self.mamba else 0,
+        )
         if not req.reqs:
             return result
         t0 = time.perf_counter()
@@ -212,6 +200,9 @@ class Engine:
                 num_rows=self.req_to_token.num_rows,
                 num_slots=self.kv.num_slots,
                 num_mamba_slots=self.mamba.num_slots if self.mamba else 0,
+                max_slots=self.kv.max_slots,
+                max_mamba_slots=self.mamba.max_slots if self.mamba else 0,
+                slot_granularity=self.kv.slot_granularity,
                 max_context=self.req_to_token.max_context,
                 vocab_size=self.info.vocab_size,
                 max_top_logprobs=MAX_TOP_LOGPROBS,
@@ -231,11 +222,24 @@ class Engine:
             elif isinstance(op, MambaReset):
                 assert self.mamba is not None
                 self.mamba.reset(op.slot)
+            elif isinstance(op, PoolResize):  # validated: the scheduler has freed any tail it cuts
+                self._resize(op)
             elif isinstance(op, ReleaseRow):
                 self.req_to_token.release(op.row)
                 self._last_sample.pop(op.row, None)
                 self._row_len.pop(op.row, None)
                 self._history.pop(op.row, None)
+
+    def _resize(self, op: PoolResize) -> None:
+        """The shrinking pool first, so that memory held never peaks above max(before, after)."""
+        kv, mamba = self.kv, self.mamba
+        if mamba is not None and op.kv_slots > kv.num_slots:
+            mamba.resize(op.mamba_slots)
+            kv.resize(op.kv_slots)
+            return
+        kv.resize(op.kv_slots)
+        if mamba is not None:
+            mamba.resize(op.mamba_slots)
 
     def _forward(self, reqs: list[ReqInput], all_logits: bool) -> torch.Tensor:
         entries: list[BatchEntry] = []

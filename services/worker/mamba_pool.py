@@ -9,11 +9,13 @@ a request checkpoints into the tree) and the request then mutates only ``dst``.
 
 Layout (per linear-attention layer ``i``)::
 
-    conv[i]  [num_slots, *spec.conv_shape]   dtype spec.conv_dtype   (conv_dim, kernel - 1)
-    ssm[i]   [num_slots, *spec.ssm_shape]    dtype spec.ssm_dtype    (v_heads, k_dim, v_dim), fp32
+    conv[i]  [max_slots, *spec.conv_shape]   dtype spec.conv_dtype   (conv_dim, kernel - 1)
+    ssm[i]   [max_slots, *spec.ssm_shape]    dtype spec.ssm_dtype    (v_heads, k_dim, v_dim), fp32
 
-Slot indices are plain row indices into every tensor; the pool does no allocation bookkeeping
-(the scheduler's allocator owns which slots are free).
+Every tensor is a contiguous field-major view of one ``ElasticPool``: slots ``[0, num_slots)``
+are backed, the rest of the ``max_slots`` reservation holds no memory until ``resize`` grows
+the pool. Tensors never move. Slot indices are plain row indices into every tensor; the pool
+does no allocation bookkeeping (the scheduler's allocator owns which slots are free).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from services.worker.elastic import ElasticPool, ElasticPoolLayout, ResizeResult
+from services.worker.pool_backing import BackingChoice, choose_backing, held_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,39 +66,67 @@ def _itemsize(dtype: torch.dtype) -> int:
 class MambaPool:
     """Per-layer conv and recurrent state tensors indexed by Mamba slot.
 
-    Every slot starts zeroed (the empty state of a fresh request). ``copy`` and ``reset`` are
-    the only mutations the pool itself performs; model forwards write the slots of the
-    requests in their batch.
+    Every slot starts zeroed (the empty state of a fresh request). ``copy``, ``reset`` and
+    ``resize`` are the only mutations the pool itself performs; model forwards write the slots
+    of the requests in their batch.
     """
 
-    __slots__ = ("_num_slots", "conv", "device", "spec", "ssm")
+    __slots__ = ("_pool", "backing", "conv", "device", "spec", "ssm")
 
-    def __init__(self, num_slots: int, spec: MambaSpec, device: torch.device | str = "cpu") -> None:
+    def __init__(self, num_slots: int, spec: MambaSpec, device: torch.device | str = "cpu", *,
+                 max_slots: int | None = None, backing: BackingChoice | None = None) -> None:
+        """``max_slots`` (default ``num_slots``) is the reservation ``resize`` may grow into."""
         if num_slots < 1:
             raise ValueError(f"MambaPool needs at least one slot, got num_slots={num_slots}")
+        max_slots = num_slots if max_slots is None else max_slots
+        if max_slots < num_slots:
+            raise ValueError(f"MambaPool.max_slots ({max_slots}) must be >= num_slots ({num_slots})")
         self.spec = spec
         self.device = torch.device(device)
-        self._num_slots = num_slots
-        self.conv: list[torch.Tensor] = [
-            torch.zeros((num_slots, *spec.conv_shape), dtype=spec.conv_dtype, device=self.device)
-            for _ in range(spec.num_layers)
-        ]
-        self.ssm: list[torch.Tensor] = [
-            torch.zeros((num_slots, *spec.ssm_shape), dtype=spec.ssm_dtype, device=self.device)
-            for _ in range(spec.num_layers)
-        ]
+        self.backing = backing or choose_backing(self.device)
+        layout = ElasticPoolLayout.mamba(spec, max_slots, self.backing.page_bytes, grouping="field_major")
+        self._pool = ElasticPool(layout, num_slots, backing=self.backing.make)
+        self.conv: list[torch.Tensor] = [self._pool.view(f"conv{i}") for i in range(spec.num_layers)]
+        self.ssm: list[torch.Tensor] = [self._pool.view(f"ssm{i}") for i in range(spec.num_layers)]
 
     @property
     def num_slots(self) -> int:
-        return self._num_slots
+        """Current capacity: slots ``[0, num_slots)`` are backed and may be used."""
+        return self._pool.capacity
+
+    @property
+    def max_slots(self) -> int:
+        return self._pool.layout.max_slots
+
+    @property
+    def slot_granularity(self) -> int:
+        """Capacities that are multiples of this end on a page boundary in every tensor (any
+        capacity is allowed; others keep the page holding their last slot)."""
+        return self._pool.layout.slot_granularity
+
+    @property
+    def committed_bytes(self) -> int:
+        """Bytes of memory the buffers hold now: the committed pages, or on a fixed (not elastic)
+        backing the whole allocation, which no shrink gives back."""
+        return held_bytes(self._pool, self.backing)
+
+    def resize(self, num_slots: int) -> ResizeResult:
+        """Back exactly slots ``[0, num_slots)``; live slots below it keep their state bit for bit.
+
+        Shrink precondition (the scheduler's): no request or cached state uses a slot at or above
+        ``num_slots``. Raises ``ValueError``, changing nothing, outside ``[0, max_slots]``.
+        """
+        if not 0 <= num_slots <= self.max_slots:
+            raise ValueError(f"Mamba capacity {num_slots} outside [0, {self.max_slots}] (max_slots)")
+        return self._pool.resize(num_slots)
 
     @property
     def bytes_per_slot(self) -> int:
         return self.spec.bytes_per_slot
 
     def _check(self, slot: int, what: str) -> None:
-        if not 0 <= slot < self._num_slots:
-            raise IndexError(f"Mamba {what} slot {slot} out of range [0, {self._num_slots})")
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"Mamba {what} slot {slot} out of range [0, {self.num_slots})")
 
     def copy(self, src: int, dst: int) -> None:
         """Copy slot ``src`` into ``dst`` in every layer; ``src`` stays bit-for-bit unchanged.

@@ -114,6 +114,8 @@ def engine_config(cfg: WorkerConfig) -> EngineConfig:
         max_context=cfg.max_context or None,
         mamba_slots=cfg.mamba_slots,
         page_size=cfg.page_size,
+        kv_max_bytes=cfg.kv_max_bytes,
+        mamba_max_slots=cfg.mamba_max_slots,
     )
 
 

@@ -5,7 +5,8 @@ bitmasks; every problem is a ``StepError`` naming the op or request and the fiel
 scheduler gets an ``INVALID_ARGUMENT`` it can act on and the worker's pools stay intact.
 
 Ops are simulated in order: a ``ReleaseRow`` earlier in the same step forgets that row's last
-sample and length, so a later ``use_last_sample`` on it is refused.
+sample and length, so a later ``use_last_sample`` on it is refused; a ``PoolResize`` changes the
+capacities that later ops and the step's requests are checked against.
 """
 
 from __future__ import annotations
@@ -14,7 +15,16 @@ from collections.abc import Mapping
 
 import torch
 
-from services.common.step import MambaCopy, MambaReset, ReleaseRow, ReqInput, StepError, StepRequest
+from services.common.step import (
+    MambaCopy,
+    MambaReset,
+    PoolResize,
+    ReleaseRow,
+    ReqInput,
+    StepError,
+    StepRequest,
+)
+from services.worker.pools import check_kv_capacity
 
 _WORD_BITS = 32
 
@@ -25,6 +35,9 @@ def check_step(
     num_rows: int,
     num_slots: int,
     num_mamba_slots: int,
+    max_slots: int,
+    max_mamba_slots: int,
+    slot_granularity: int,
     max_context: int,
     vocab_size: int,
     max_top_logprobs: int,
@@ -33,21 +46,27 @@ def check_step(
 ) -> list[torch.Tensor | None]:
     """Raise ``StepError`` for the first problem found; return one bitmask (or ``None``) per request.
 
-    ``num_mamba_slots == 0`` means a dense model: Mamba ops and ``mamba_slot`` are refused.
+    ``num_slots`` / ``num_mamba_slots`` are the capacities before this step's ops; ``max_slots``
+    / ``max_mamba_slots`` the reservations, ``slot_granularity`` the KV resize unit.
+    ``max_mamba_slots == 0`` means a dense model: Mamba ops and ``mamba_slot`` are refused.
     ``rows_with_sample`` / ``row_len``: rows holding a previous sample / how many positions each
     row holds, before this step's ops.
     """
     sampled = set(rows_with_sample)
     lengths = dict(row_len)
+    hybrid = max_mamba_slots > 0
     for i, op in enumerate(req.ops):
         where = f"ops[{i}] ({type(op).__name__})"
-        if isinstance(op, MambaCopy):
-            _mamba_slot(op.src, num_mamba_slots, f"{where}.src")
-            _mamba_slot(op.dst, num_mamba_slots, f"{where}.dst")
+        if isinstance(op, PoolResize):
+            _check_resize(op, where, max_slots, max_mamba_slots, slot_granularity)
+            num_slots, num_mamba_slots = op.kv_slots, op.mamba_slots
+        elif isinstance(op, MambaCopy):
+            _mamba_slot(op.src, num_mamba_slots, f"{where}.src", hybrid)
+            _mamba_slot(op.dst, num_mamba_slots, f"{where}.dst", hybrid)
             if op.src == op.dst:
                 raise StepError(f"{where}: src == dst == {op.src}")
         elif isinstance(op, MambaReset):
-            _mamba_slot(op.slot, num_mamba_slots, f"{where}.slot")
+            _mamba_slot(op.slot, num_mamba_slots, f"{where}.slot", hybrid)
         elif isinstance(op, ReleaseRow):
             _in_range(op.row, num_rows, f"{where}.row")
             sampled.discard(op.row)
@@ -68,13 +87,13 @@ def check_step(
         where = f"request {r.request_id!r} (row {r.row})"
         _check_tokens(r, where, vocab_size, sampled, max_context, lengths)
         _check_slots(r, where, num_slots, seen_slots)
-        if num_mamba_slots == 0:
+        if not hybrid:
             if r.mamba_slot is not None:
                 raise StepError(f"{where}: mamba_slot={r.mamba_slot} but the model has no Mamba state")
         else:
             if r.mamba_slot is None:
                 raise StepError(f"{where}: a hybrid model needs mamba_slot")
-            _mamba_slot(r.mamba_slot, num_mamba_slots, f"{where} mamba_slot")
+            _mamba_slot(r.mamba_slot, num_mamba_slots, f"{where} mamba_slot", hybrid)
             if r.mamba_slot in seen_mamba:
                 raise StepError(f"{where}: mamba_slot {r.mamba_slot} is used by two requests")
             seen_mamba.add(r.mamba_slot)
@@ -92,10 +111,22 @@ def _in_range(value: int, size: int, what: str) -> None:
         raise StepError(f"{what}={value} out of range [0, {size})")
 
 
-def _mamba_slot(slot: int, num: int, what: str) -> None:
-    if num == 0:
+def _mamba_slot(slot: int, num: int, what: str, hybrid: bool) -> None:
+    if not hybrid:
         raise StepError(f"{what}: the model has no Mamba state (dense model)")
     _in_range(slot, num, what)
+
+
+def _check_resize(op: PoolResize, where: str, max_slots: int, max_mamba_slots: int, granularity: int) -> None:
+    try:
+        check_kv_capacity(op.kv_slots, max_slots, granularity)
+    except ValueError as e:
+        raise StepError(f"{where}.kv_slots: {e}") from None
+    if max_mamba_slots == 0 and op.mamba_slots:
+        raise StepError(f"{where}.mamba_slots={op.mamba_slots}: the model has no Mamba state (dense model); send 0")
+    if not 0 <= op.mamba_slots <= max_mamba_slots:
+        raise StepError(f"{where}.mamba_slots: Mamba capacity {op.mamba_slots} outside "
+                        f"[0, {max_mamba_slots}] (max_mamba_slots)")
 
 
 def _check_tokens(

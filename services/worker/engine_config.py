@@ -1,0 +1,65 @@
+"""The engine's frozen configuration: dtype, pool budgets and the elastic reservations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+DType = Literal["float32", "bfloat16", "float16"]
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+# Peak Mamba states one row can pin at once: its own running state, the locked cached state it
+# matched, and the copy it donates to the tree when it checkpoints (see DESIGN §3).
+MAMBA_SLOTS_PER_ROW = 3
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Worker engine settings, validated at construction.
+
+    ``max_context`` ``None`` = the model's ``max_position_embeddings``; ``mamba_slots`` 0 =
+    ``MAMBA_SLOTS_PER_ROW * max_rows`` (ignored for dense models).
+
+    Elastic pools: ``kv_cache_bytes`` / ``mamba_slots`` size the pools at start;
+    ``kv_max_bytes`` / ``mamba_max_slots`` size the address range reserved once, which
+    ``PoolResize`` ops may grow the pools into (0 = the starting size: a pool can shrink and grow
+    back, never beyond it). Without an elastic backing on the device the reservations fall back
+    to the starting sizes.
+    """
+
+    device: str = "cpu"
+    dtype: DType = "float32"
+    kv_cache_bytes: int = 256 << 20
+    max_rows: int = 64
+    max_context: int | None = None
+    mamba_slots: int = 0
+    page_size: int = 1
+    kv_max_bytes: int = 0
+    mamba_max_slots: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("kv_cache_bytes", "max_rows", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_context is not None and self.max_context < 1:
+            raise ValueError(f"EngineConfig.max_context must be >= 1 or None, got {self.max_context}")
+        if self.mamba_slots < 0:
+            raise ValueError(f"EngineConfig.mamba_slots must be >= 0, got {self.mamba_slots}")
+        if self.kv_max_bytes and self.kv_max_bytes < self.kv_cache_bytes:
+            raise ValueError(f"EngineConfig.kv_max_bytes must be 0 or >= kv_cache_bytes ({self.kv_cache_bytes}), "
+                             f"got {self.kv_max_bytes}")
+        if self.mamba_max_slots and self.mamba_max_slots < self.initial_mamba_slots:
+            raise ValueError(f"EngineConfig.mamba_max_slots must be 0 or >= the starting Mamba slots "
+                             f"({self.initial_mamba_slots}), got {self.mamba_max_slots}")
+
+    @property
+    def initial_mamba_slots(self) -> int:
+        """Mamba pool capacity at start (hybrid models)."""
+        return self.mamba_slots or MAMBA_SLOTS_PER_ROW * self.max_rows
