@@ -206,3 +206,23 @@ def test_quick_bench_end_to_end(tiny_qwen3: Path, tmp_path: Path) -> None:
     assert any("gRPC stack / in-process" in n for n in names)
     assert any("transformers generate" in n for n in names)
     assert "engine thread" in data["profile"]
+
+
+def test_hybrid_bench_runs_every_side_and_writes_its_figures(
+    tiny_qwen3: Path, tiny_qwen3_next: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`make bench-hybrid` at toy size: dense and hybrid reuse every turn of the pure trace
+    (hybrid / dense hit rate 1.0 here), and both policies complete the mixed trace."""
+    from services.bench import hybrid
+
+    out = tmp_path / "hybrid.json"
+    args = ["--dense", str(tiny_qwen3), "--hybrid", str(tiny_qwen3_next), "--clients", "3", "--rounds", "2",
+            "--rows", "4", "--request-len", "12", "--output-len", "4", "--oneoffs", "4", "--oneoff-len", "8",
+            "--tight-states", "6", "--out", str(out)]
+    assert hybrid.main(args) == 0
+    data = json.loads(out.read_text())
+    runs = {r["label"]: r for r in data["results"]}
+    assert len(runs) == 4 and all(r["failed"] == 0 for r in runs.values())
+    assert data["hybrid_vs_dense"] == pytest.approx(1.0)
+    assert runs["dense Qwen3 · radix"]["reuse_vs_ideal"] == pytest.approx(1.0)
+    assert "| mixed · hybrid · LRU · 6 states |" in capsys.readouterr().out

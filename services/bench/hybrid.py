@@ -132,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-len", type=int, default=64, help="new tokens per turn")
     p.add_argument("--output-len", type=int, default=16, help="answer tokens per turn")
     p.add_argument("--rows", type=int, default=32, help="worker rows = requests running at once")
-    p.add_argument("--tight-states", type=int, default=0,
-                   help="state pool of the policy comparison; 0 = rows + clients")
+    p.add_argument("--tight-states", type=int, nargs="*", default=[],
+                   help="state pools of the policy comparison; default: rows + clients and rows + clients / 2")
     p.add_argument("--oneoffs", type=int, default=0,
                    help="one-off requests of the mixed trace; 0 = 2 × clients × rounds")
     p.add_argument("--oneoff-len", type=int, default=48, help="prompt tokens of a one-off request")
@@ -153,13 +153,16 @@ def main(argv: list[str] | None = None) -> int:
                          output_len=args.output_len, max_parallel=args.clients)
     w = multi_turn_workload(spec, vocab, args.seed)
     mixed = mixed_workload(w, args, vocab)
-    tight = args.tight_states or args.rows + args.clients
+    tights = args.tight_states or [args.rows + args.clients, args.rows + args.clients // 2]
     runs = [
         Run("dense Qwen3 · radix", args.dense),
         Run("hybrid Qwen3-Next · Marconi · default states", args.hybrid),
-        Run(f"mixed · hybrid · Marconi · {tight} states", args.hybrid, True, "marconi", tight),
-        Run(f"mixed · hybrid · LRU · {tight} states", args.hybrid, True, "lru", tight),
     ]
+    for tight in tights:
+        runs += [
+            Run(f"mixed · hybrid · Marconi · {tight} states", args.hybrid, True, "marconi", tight),
+            Run(f"mixed · hybrid · LRU · {tight} states", args.hybrid, True, "lru", tight),
+        ]
     _say(f"workload {w.describe()}\nmixed workload {mixed.describe()}")
     t0 = time.perf_counter()
     results = [run_one(r, mixed if r.mixed else w, args) for r in runs]
@@ -171,12 +174,15 @@ def main(argv: list[str] | None = None) -> int:
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "results": [asdict(r) for r in results],
         "hybrid_vs_dense": results[1].hit_rate / dense.hit_rate,
-        "marconi_vs_lru": results[2].hit_rate / results[3].hit_rate if results[3].hit_rate else None,
+        "marconi_vs_lru": [
+            m.hit_rate / max(lru.hit_rate, 1e-9) for m, lru in zip(results[2::2], results[3::2], strict=True)
+        ],
         "elapsed_s": time.perf_counter() - t0,
     }, indent=2) + "\n")
     print(table(results, dense))
     print(f"\nhybrid / dense hit rate: {results[1].hit_rate / dense.hit_rate:.3f} (goal >= 0.90)")
-    print(f"mixed trace, Marconi / LRU hit rate: {results[2].hit_rate / max(results[3].hit_rate, 1e-9):.3f}")
+    for m, lru in zip(results[2::2], results[3::2], strict=True):
+        print(f"{m.label}: Marconi / LRU hit rate {m.hit_rate / max(lru.hit_rate, 1e-9):.3f}")
     return 0 if results[1].hit_rate >= 0.9 * dense.hit_rate else 1
 
 
