@@ -82,9 +82,12 @@ def run(
 
 
 def engine(
-    model: Path, kv_cache_bytes: int = 1 << 22, max_rows: int = 32, mamba_slots: int = 0, page_size: int = 1
+    model: Path, kv_cache_bytes: int = 1 << 22, max_rows: int = 32, mamba_slots: int = 0, page_size: int = 1,
+    **elastic: int,
 ) -> Engine:
-    cfg = EngineConfig(kv_cache_bytes=kv_cache_bytes, max_rows=max_rows, mamba_slots=mamba_slots, page_size=page_size)
+    """``elastic``: ``kv_max_bytes`` / ``mamba_max_slots`` reservations (see EngineConfig)."""
+    cfg = EngineConfig(kv_cache_bytes=kv_cache_bytes, max_rows=max_rows, mamba_slots=mamba_slots, page_size=page_size,
+                       **elastic)
     return Engine(model, cfg)
 
 

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.common.step import CacheOp, LateMasks, ReleaseRow, ReqInput, StepRequest
+from services.scheduler.elastic_control import ElasticControl
 from services.scheduler.hybrid_memory import HybridMemory
 from services.scheduler.memory import KVMemory
 from services.scheduler.request import Finish, FinishEvent, Fork, Req, TokenEvent
@@ -81,6 +82,9 @@ class Batcher:
         # Hybrid models: Mamba working states, copy-on-write from cached states and checkpoint
         # forks (see hybrid_memory.py); None for dense models.
         self.hybrid: HybridMemory | None = memory if isinstance(memory, HybridMemory) else None
+        # Elastic pools (set by the loop when a budget is configured): resizes go first in a step.
+        self.elastic: ElasticControl | None = None
+        self.resize_ops: list[CacheOp] = []
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.pending_ops: list[CacheOp] = []
@@ -98,6 +102,9 @@ class Batcher:
     # -- plan -----------------------------------------------------------------------------------
     def plan(self) -> Plan | None:
         self._drop_aborted()
+        if self.elastic is not None:
+            busy = bool(self.running or self.waiting)
+            self.resize_ops += self.elastic.before_plan(list(self.waiting), busy)
         inputs: list[tuple[Req, int]] = []  # (req, number of new tokens)
         decodes = self._schedule_decodes(inputs)
         budget = self.limits.max_prefill_tokens
@@ -115,11 +122,14 @@ class Batcher:
                 raise AssertionError("a single prefilling request cannot fit the pool")
             return self.plan()
         hy = self.hybrid
-        if not inputs and not self.pending_ops and not (hy is not None and (hy.ops or hy.head_ops)):
+        if (not inputs and not self.pending_ops and not self.resize_ops
+                and not (hy is not None and (hy.ops or hy.head_ops))):
             return None
         self.step_id += 1
-        # Forks planned in earlier steps run first, before this step's forward moves the states.
-        ops = self.pending_ops if hy is None else hy.take_ops(hy.take_head()) + self.pending_ops
+        # Pool resizes first (later ops and inputs may use a grown pool), then forks planned in
+        # earlier steps, before this step's forward moves the states.
+        ops = self.resize_ops + (self.pending_ops if hy is None else hy.take_ops(hy.take_head()) + self.pending_ops)
+        self.resize_ops = []
         step = StepRequest(self.step_id, ops=ops, reqs=[])
         self.pending_ops = []
         plan = Plan(step, [])
@@ -364,4 +374,5 @@ class Batcher:
             req.inflight = 0  # those samples died with the steps in flight
         self.running = []
         self.pending_ops = []
+        self.resize_ops = []
         log.warning("worker lost (%s); %d requests requeued", error, len(self.waiting))

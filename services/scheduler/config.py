@@ -37,6 +37,13 @@ class SchedulerConfig:
     checkpoint_every: int = field(
         default=0, metadata=_h("hybrid models: checkpoint the state every N prompt tokens; 0 = max_prefill_tokens")
     )
+    elastic_budget_bytes: int = field(
+        default=0, metadata=_h("resize the worker's KV + Mamba pools at run time within this many bytes; 0 = static")
+    )
+    elastic_idle_s: float = field(default=5.0, metadata=_h("elastic pools: give memory back after this long idle"))
+    elastic_min_kv_slots: int = field(
+        default=0, metadata=_h("elastic pools: KV slots kept even when idle; 0 = the context length")
+    )
     check_invariants: bool = field(default=True, metadata=_h("check KV accounting whenever idle"))
     metrics_port: int = field(default=-1, metadata=_h("Prometheus port; -1 = off, 0 = pick"))
     trace_exporter: Literal["none", "console", "file", "otlp"] = field(default="none", metadata=_h("spans"))
@@ -50,6 +57,8 @@ class SchedulerConfig:
             raise ConfigError("max_prefill_tokens: must be >= 1")
         if self.max_running < 1:
             raise ConfigError("max_running: must be >= 1")
+        if min(self.elastic_budget_bytes, self.elastic_idle_s, self.elastic_min_kv_slots) < 0:
+            raise ConfigError("elastic_budget_bytes, elastic_idle_s and elastic_min_kv_slots: must be >= 0")
         if self.checkpoint_every < 0:
             raise ConfigError("checkpoint_every: must be >= 0 (0 = max_prefill_tokens)")
 
@@ -65,4 +74,7 @@ class SchedulerConfig:
             overlap=self.overlap,
             mamba_policy=self.mamba_policy,
             checkpoint_every=self.checkpoint_every,
+            elastic_budget_bytes=self.elastic_budget_bytes,
+            elastic_idle_s=self.elastic_idle_s,
+            elastic_min_kv_slots=self.elastic_min_kv_slots,
         )

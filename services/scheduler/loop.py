@@ -21,6 +21,7 @@ from services.common.errors import ResourceExhausted, Unavailable
 from services.common.step import WorkerInfo
 from services.common.validation import Limits
 from services.scheduler.batcher import Batcher, BatchLimits, Plan
+from services.scheduler.elastic_control import ElasticConfig, ElasticControl
 from services.scheduler.hybrid_memory import HybridMemory
 from services.scheduler.memory import KVMemory
 from services.scheduler.metrics import SchedulerMetrics
@@ -28,6 +29,8 @@ from services.scheduler.request import Finish, FinishEvent, Req
 from services.scheduler.worker_link import WorkerGone, WorkerLink
 
 log = logging.getLogger(__name__)
+
+ELASTIC_TICK_S = 0.5  # how often an idle loop with elastic pools re-plans (to shrink them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +45,9 @@ class LoopConfig:
     overlap: bool = True  # plan step N+1 while the worker runs step N
     mamba_policy: str = "marconi"  # hybrid models: cached-state eviction, "marconi" | "lru"
     checkpoint_every: int = 0  # hybrid models: state checkpoint grid in tokens; 0 = max_prefill_tokens
+    elastic_budget_bytes: int = 0  # KV + Mamba pool bytes, resized at run time; 0 = static pools
+    elastic_idle_s: float = 5.0  # give pool memory back after this long idle
+    elastic_min_kv_slots: int = 0  # the KV pool never shrinks below this; 0 = the context length
 
 
 @dataclass(slots=True)
@@ -90,6 +96,9 @@ class SchedulerLoop:
             fcfs=self.cfg.policy == "fcfs",
         )
         batcher = Batcher(mem, limits, frozenset(info.eos_token_ids), info.context_length)
+        if cfg.elastic_budget_bytes:
+            ecfg = ElasticConfig(cfg.elastic_budget_bytes, cfg.elastic_min_kv_slots, idle_s=cfg.elastic_idle_s)
+            batcher.elastic = ElasticControl(ecfg, info, mem)
         for req in self._orphans:
             batcher.waiting.append(req)
         self._orphans = []
@@ -133,10 +142,11 @@ class SchedulerLoop:
         if info is None or self.batcher is None:
             raise Unavailable("no worker connected")
         need = len(req.prompt) + req.gen.max_new_tokens - 1
-        if need > info.num_slots:
+        pool = info.max_slots if self.batcher.elastic is not None else info.num_slots
+        if need > pool:
             raise ResourceExhausted(
                 f"the request needs up to {need} KV slots (prompt {len(req.prompt)} + max_new_tokens "
-                f"{req.gen.max_new_tokens}) but the worker's pool has {info.num_slots}"
+                f"{req.gen.max_new_tokens}) but the worker's pool has {pool}"
             )
         self.requests[req.rid] = req
         self.counters.prompt_tokens += len(req.prompt)
@@ -196,7 +206,9 @@ class SchedulerLoop:
                 if self.cfg.check_invariants and batcher.idle:
                     batcher.mem.check_idle_invariant()
                 self._wake.clear()
-                await _first(self._wake.wait(), stop.wait())
+                # Elastic pools: look again after a while, to give memory back once idle long enough.
+                tick = (asyncio.sleep(ELASTIC_TICK_S),) if batcher.elastic is not None else ()
+                await _first(self._wake.wait(), stop.wait(), *tick)
                 from_idle = True
                 continue
             done: Plan | None = None

@@ -36,7 +36,6 @@ class KVMemory:
     def __init__(
         self, num_slots: int, num_rows: int, page_size: int, cache: str, policy: str = "lru"
     ) -> None:
-        self.size = num_slots
         self.page_size = page_size
         self.slots = SlotAllocator(num_slots, page_size)
         self.rows = RowAllocator(num_rows)
@@ -46,6 +45,11 @@ class KVMemory:
             if cache == "radix"
             else NoCache(page_size, self.slots.free)
         )
+
+    @property
+    def size(self) -> int:
+        """Slots the accounting covers: the allocator's limit plus a shrinking tail still held."""
+        return self.slots.size + self.slots.shrink_pending
 
     # -- matching and locking -------------------------------------------------------------------
     def match(self, req: Req) -> int:

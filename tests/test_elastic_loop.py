@@ -1,0 +1,54 @@
+"""Elastic pools driven by the scheduler loop against the real engine: the orchestrator's plans
+travel as PoolResize ops, pools grow under load and give memory back when idle, live data and
+greedy outputs (== transformers) are untouched, and the accounting holds throughout."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+from services.scheduler.loop import LoopConfig, SchedulerLoop
+from tests import sched_harness as h
+from tests.reference import hf_greedy
+
+
+def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(20, 120))] for _ in range(n)]
+
+
+def test_hybrid_pools_grow_under_load_shrink_when_idle_and_outputs_equal_transformers(
+    tiny_qwen3_next: Path,
+) -> None:
+    probe = h.engine(tiny_qwen3_next, kv_cache_bytes=1 << 16, max_rows=8)
+    kv_b, m_b = probe.info.bytes_per_slot, probe.info.bytes_per_mamba_slot
+    # Start small, reserve far more than the budget lets the loop use.
+    eng = h.engine(tiny_qwen3_next, kv_cache_bytes=256 * kv_b, max_rows=8, mamba_slots=8,
+                   kv_max_bytes=8192 * kv_b, mamba_max_slots=64)
+    assert eng.info.elastic and eng.info.max_slots >= 8192
+    budget = 4096 * kv_b + 32 * m_b
+    cfg = LoopConfig(max_prefill_tokens=64, elastic_budget_bytes=budget, elastic_idle_s=0.2, elastic_min_kv_slots=128)
+    prompts = _prompts(eng.info.vocab_size, 12, seed=2)
+    seen: dict[str, int] = {}
+
+    async def body(loop: SchedulerLoop) -> list[h.Outcome]:
+        assert loop.batcher is not None and loop.batcher.elastic is not None
+        el = loop.batcher.elastic
+        outs = await asyncio.gather(*(h.one(loop, f"r{i}", h.Spec(p, 8)) for i, p in enumerate(prompts)))
+        seen["peak_kv"] = el.sent.kv_slots
+        seen["busy_bytes"] = eng.kv.committed_bytes + eng.mamba.committed_bytes  # type: ignore[union-attr]
+        await asyncio.sleep(1.5)  # idle: the loop gives memory back
+        seen["idle_kv"] = el.sent.kv_slots
+        seen["resizes"] = el.resizes
+        seen["idle_bytes"] = eng.kv.committed_bytes + eng.mamba.committed_bytes  # type: ignore[union-attr]
+        return list(outs)
+
+    outs, loop = h.serve(eng, cfg, body)
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.ids == hf_greedy(tiny_qwen3_next, p, 8, stop_at_eos=False)
+    assert seen["resizes"] >= 2, seen
+    assert seen["idle_kv"] < seen["peak_kv"] and seen["idle_bytes"] < seen["busy_bytes"], seen
+    assert eng.kv.num_slots == seen["idle_kv"]  # the worker applied what the loop sent
+    assert loop.batcher is not None
+    loop.batcher.mem.check_idle_invariant()
