@@ -13,7 +13,7 @@ PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := strata/.generated
 PORT ?= 50051
 
-.PHONY: run test test-all soak bench bench-hybrid lint protos install system-deps models clean
+.PHONY: run test test-all soak bench bench-hybrid bench-elastic lint protos install system-deps models clean
 
 run: install models
 	$(BIN)/strata up --model $(TINY) --port $(PORT)
@@ -39,6 +39,11 @@ $(BENCH_MODEL)/config.json: | install
 # eviction (~5 min); writes docs/bench/hybrid.json and prints the table of docs/benchmarks.md.
 bench-hybrid: install $(BENCH_MODEL)/config.json $(BENCH_NEXT)/config.json
 	$(BIN)/python -m services.bench.hybrid --dense $(BENCH_MODEL) --hybrid $(BENCH_NEXT)
+
+# Elastic KV + Mamba pools vs static splits of one budget on a phase-changing load (~3 min);
+# writes docs/bench/elastic.json and prints the table of docs/benchmarks.md.
+bench-elastic: install $(BENCH_NEXT)/config.json
+	$(BIN)/python -m services.bench.elastic --model $(BENCH_NEXT)
 
 $(BENCH_NEXT)/config.json: | install
 	$(BIN)/strata model tiny --arch qwen3-next --size bench --out $(BENCH_NEXT)

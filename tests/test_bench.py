@@ -226,3 +226,19 @@ def test_hybrid_bench_runs_every_side_and_writes_its_figures(
     assert data["hybrid_vs_dense"] == pytest.approx(1.0)
     assert runs["dense Qwen3 · radix"]["reuse_vs_ideal"] == pytest.approx(1.0)
     assert "| mixed · hybrid · LRU · 6 states |" in capsys.readouterr().out
+
+
+def test_elastic_bench_runs_static_splits_and_elastic(tiny_qwen3_next: Path, tmp_path: Path) -> None:
+    """The phase benchmark at toy size: every run completes both phases under one budget, and the
+    elastic run resizes and holds no more than its working set when idle."""
+    from services.bench import elastic
+
+    out = tmp_path / "elastic.json"
+    args = ["--model", str(tiny_qwen3_next), "--budget", str(1 << 20), "--rows", "8", "--long", "2",
+            "--long-len", "200", "--short", "12", "--short-len", "16", "--out-len", "4", "--max-states", "32",
+            "--idle-s", "0.3", "--out", str(out)]
+    assert elastic.main(args) == 0
+    runs = {r["label"]: r for r in json.loads(out.read_text())["results"]}
+    assert all(r["completed"] == 14 for r in runs.values()), runs
+    el = runs["elastic"]
+    assert el["resizes"] >= 2 and el["idle_committed_mib"] <= 1.5 * el["working_set_mib"], el
