@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from services.bench.runner import InProcessBackend, note_tokens  # noqa: F401 (shared record type)
+from services.bench.runner import InProcessBackend
 from services.scheduler.loop import LoopConfig
 
 

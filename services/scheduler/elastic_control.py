@@ -144,6 +144,3 @@ class ElasticControl:
         if self.orch.bytes_of(plan) > self.orch.budget_bytes:
             plan = ResizePlan(min(plan.kv_slots, cur.kv_slots), min(plan.mamba_slots, cur.mamba_slots))
         return plan
-
-    def committed_slots(self) -> ResizePlan:
-        return self.sent

@@ -179,24 +179,14 @@ class HybridMemory(KVMemory):
             return
         req.forks.remove(fork)
         assert self.mcache is not None
-        pos, m = fork.pos, req.cache_len
-        if pos <= m:  # already cached up to here (a deeper node is locked): the fork is surplus
+        pos = fork.pos
+        if pos <= req.cache_len:  # already cached up to here (a deeper node is locked): surplus
             self.states.free(fork.slot)
             return
         key = CacheKey(req.seq[:pos], req.cache_salt)
         res = self.mcache.insert_checkpoint(key, req.slots[:pos], fork.slot)
         self.forks_inserted += res.mamba_taken
-        dup = req.slots[m : res.cached_len]
-        new = self.mcache.match(key)
-        assert len(new.slots) == pos and new.mamba_slot is not None, (len(new.slots), pos)
-        self.mcache.lock(new.node)
-        if req.lock is not None:
-            self.mcache.unlock(req.lock)
-        req.lock, req.cache_len = new.node, pos
-        if dup:
-            req.slots[:pos] = new.slots
-            req.row_dirty = True
-            self.slots.free(self._pages(dup))
+        self._lock_inserted(req, key, res.cached_len)
 
     def cache_unfinished(self, req: Req) -> None:
         """Hybrid prefixes enter the tree only with a state: at forks (``insert_fork``)."""

@@ -145,16 +145,23 @@ class KVMemory:
         if aligned <= m or isinstance(self.cache, NoCache):
             return
         key = CacheKey(req.seq[:aligned], req.cache_salt)
-        cached = self.cache.insert(key, req.slots[:aligned])
+        self._lock_inserted(req, key, self.cache.insert(key, req.slots[:aligned]))
+
+    def _lock_inserted(self, req: Req, key: CacheKey, cached: int) -> None:
+        """``req``'s ``key`` was just inserted (the tree held ``cached`` tokens of it before):
+        move the request's lock down to the key's end, switch it to the tree's slots and free its
+        duplicates ``[cache_len, cached)`` (``req.row_dirty`` then makes the batcher resend its
+        req_to_token row)."""
+        n, m = len(key.tokens), req.cache_len
         dup = req.slots[m:cached]
         new = self.cache.match_prefix(key)
-        assert len(new.slots) == aligned, (len(new.slots), aligned)
-        self.cache.lock(new.node)
+        assert len(new.slots) == n, (len(new.slots), n)
+        self.cache.lock(new.node)  # the Mamba radix cache raises here if the node has no state
         if req.lock is not None:
             self.cache.unlock(req.lock)
-        req.lock, req.cache_len = new.node, aligned
+        req.lock, req.cache_len = new.node, n
         if dup:
-            req.slots[:aligned] = new.slots
+            req.slots[:n] = new.slots
             req.row_dirty = True
             self.slots.free(self._pages(dup))
 
