@@ -31,7 +31,9 @@ def _up(args: argparse.Namespace) -> int:
         return 2
     run_dir = Path(args.run_dir or f".runs/{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"starting Strata for {model} (logs in {run_dir})")
-    worker_args = ("--kv-cache-bytes", str(args.kv_cache_bytes))
+    worker_args: tuple[str, ...] = ("--kv-cache-bytes", str(args.kv_cache_bytes))
+    if args.host_cache_bytes:  # the hierarchical cache: host pool (L2) and the kvstore shards (L3)
+        worker_args += ("--host-cache-bytes", str(args.host_cache_bytes), "--l3", "true")
     try:
         stack = supervisor.start_stack(model, args.port, run_dir, etcd=args.etcd, worker_args=worker_args)
     except supervisor.StartError as e:
@@ -98,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=50051, help="public port of strata.v1.Strata")
     up.add_argument("--etcd", default="", help="use this etcd endpoint instead of starting one")
     up.add_argument("--kv-cache-bytes", type=int, default=64 * 1024 * 1024, help="worker KV pool bytes")
+    up.add_argument("--host-cache-bytes", type=int, default=256 * 1024 * 1024,
+                    help="worker host (L2) pool bytes, with L3 on the kvstore; 0 = device cache only")
     up.add_argument("--run-dir", default="", help="where logs go (default .runs/<time>)")
     up.add_argument("--example", default="The cache", help="prompt of the example reply ('' = none)")
 

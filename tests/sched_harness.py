@@ -36,6 +36,7 @@ class Spec:
     temperature: float = 0.0
     seed: int = 0
     grammar: object = None  # a Matcher, used by one request only
+    l3_pages: int = 0  # what the server's L3 lookup would have found
 
 
 async def one(loop: SchedulerLoop, rid: str, spec: Spec) -> Outcome:
@@ -46,6 +47,7 @@ async def one(loop: SchedulerLoop, rid: str, spec: Spec) -> Outcome:
     )
     gen = validation.generation(sp, len(spec.prompt), loop.limits(), False, 0)
     req = Req(rid, list(spec.prompt), gen, seed=spec.seed, cache_salt=spec.salt, grammar=spec.grammar)
+    req.l3_pages = spec.l3_pages
     loop.submit(req)
     ids: list[int] = []
     while True:

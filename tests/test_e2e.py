@@ -36,7 +36,9 @@ PROMPTS = ["The cache keeps", "Once upon a time the server", "tokens and pages"]
 def stack(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     run_dir = tmp_path_factory.mktemp("stack")
     common = ("--trace-exporter", "file", "--trace-target", str(run_dir / "spans-{service}.jsonl"))
-    s = start_stack(tiny_qwen3, free_port(), run_dir, common_args=common, say=lambda _: None)
+    # As `make run` starts it: the hierarchical cache on (host pool + kvstore L3).
+    worker = ("--host-cache-bytes", str(64 << 20), "--l3", "true")
+    s = start_stack(tiny_qwen3, free_port(), run_dir, common_args=common, worker_args=worker, say=lambda _: None)
     yield s
     s.stop()
 

@@ -26,7 +26,7 @@ from services.scheduler.cache.hiradix_policy import (
     should_prefetch,
 )
 from services.scheduler.cache.hiradix_types import BackupJob, HiMatch, HiNode, Job, LoadJob, PrefetchJob, PutJob
-from services.worker.host_cache import HostPageAllocator
+from services.scheduler.host_alloc import HostPageAllocator
 
 NS = HashNamespace("test-model", "page-first/L2/H2/D8/bfloat16")
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.host_cache import HostDoubleFreeError, HostPageAllocator, HostPool
+from services.scheduler.host_alloc import HostDoubleFreeError, HostPageAllocator
+from services.worker.host_cache import HostPool
 from services.worker.pools import KVPool
 
 LAYERS, HEADS, DIM, PAGE = 3, 2, 8, 4

@@ -75,7 +75,51 @@ class PoolResize:
     mamba_slots: int
 
 
-CacheOp = MambaCopy | MambaReset | ReleaseRow | PoolResize
+@dataclass(frozen=True, slots=True)
+class HostBackup:
+    """Copy device KV slots into host pages (the L2 tier): ``host_pages[j]`` ←
+    ``slots[j*P:(j+1)*P]`` with ``P = WorkerInfo.host_page_tokens``, every layer, K and V. Runs
+    in op order, so it reads what earlier steps wrote and finishes before this step's forward."""
+
+    job_id: int
+    slots: tuple[int, ...]
+    host_pages: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class HostLoad:
+    """Copy host pages into device KV slots (the layout of ``HostBackup``, reversed), in op order,
+    before this step's forward (which may read the loaded slots)."""
+
+    job_id: int
+    host_pages: tuple[int, ...]
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class L3Put:
+    """Write host pages to the kvstore (L3): ``host_pages[j]`` under ``keys[j]``. Starts in op
+    order and overlaps the forward; acknowledged in this step's ``StepResult.jobs``. The scheduler
+    keeps the pages unchanged until then."""
+
+    job_id: int
+    host_pages: tuple[int, ...]
+    keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class L3Get:
+    """Read ``keys`` from the kvstore into ``host_pages`` (same order), stopping at the first
+    missing key; ``JobResult.pages`` says how many leading pages were written. Overlaps the
+    forward; nothing in this step may read those pages."""
+
+    job_id: int
+    keys: tuple[bytes, ...]
+    host_pages: tuple[int, ...]
+
+
+CacheOp = MambaCopy | MambaReset | ReleaseRow | PoolResize | HostBackup | HostLoad | L3Put | L3Get
+HostOp = HostBackup | HostLoad | L3Put | L3Get
 
 
 @dataclass(slots=True)
@@ -147,6 +191,16 @@ class ReqOutput:
     logprob: TokenLogprob | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class JobResult:
+    """The acknowledgement of one host or L3 op: ``ok`` and the pages it moved (``L3Get``: the
+    leading pages written; ``L3Put``: pages the store accepted, ``ok`` only when all were)."""
+
+    job_id: int
+    ok: bool
+    pages: int
+
+
 @dataclass(slots=True)
 class StepResult:
     step_id: int
@@ -161,6 +215,8 @@ class StepResult:
     num_mamba_slots: int = 0
     kv_committed_bytes: int = 0
     mamba_committed_bytes: int = 0
+    # One per host / L3 op of the step, in op order.
+    jobs: list[JobResult] = field(default_factory=list)
 
 
 class StepError(ValueError):
@@ -196,3 +252,7 @@ class WorkerInfo:
     mamba_slot_granularity: int  # Mamba capacities that are multiples of it release whole pages
     pool_page_bytes: int  # the backing's commit unit (OS page, or CUDA VMM granularity)
     elastic: bool  # a shrink really returns memory (False: fixed allocation, resizes are bookkeeping)
+    host_pages: int = 0  # pages of the host (L2) pool; 0 = no hierarchical cache
+    host_page_tokens: int = 0  # tokens per host page (a multiple of page_size)
+    kv_layout: str = ""  # names a host page's bytes (for L3 keys); empty without a host pool
+    l3: bool = False  # the worker reaches the kvstore shards (L3Put / L3Get work)

@@ -7,6 +7,11 @@ from __future__ import annotations
 
 from services.common.step import (
     CacheOp,
+    HostBackup,
+    HostLoad,
+    JobResult,
+    L3Get,
+    L3Put,
     LateMasks,
     MambaCopy,
     MambaReset,
@@ -68,6 +73,14 @@ def _op_to_pb(op: CacheOp) -> wpb.CacheOp:
         return wpb.CacheOp(mamba_reset=wpb.MambaReset(slot=op.slot))
     if isinstance(op, PoolResize):
         return wpb.CacheOp(pool_resize=wpb.PoolResize(kv_slots=op.kv_slots, mamba_slots=op.mamba_slots))
+    if isinstance(op, HostBackup):
+        return wpb.CacheOp(host_backup=wpb.HostBackup(job_id=op.job_id, slots=op.slots, host_pages=op.host_pages))
+    if isinstance(op, HostLoad):
+        return wpb.CacheOp(host_load=wpb.HostLoad(job_id=op.job_id, host_pages=op.host_pages, slots=op.slots))
+    if isinstance(op, L3Put):
+        return wpb.CacheOp(l3_put=wpb.L3Put(job_id=op.job_id, host_pages=op.host_pages, keys=op.keys))
+    if isinstance(op, L3Get):
+        return wpb.CacheOp(l3_get=wpb.L3Get(job_id=op.job_id, keys=op.keys, host_pages=op.host_pages))
     return wpb.CacheOp(release_row=wpb.ReleaseRow(row=op.row))
 
 
@@ -81,6 +94,16 @@ def _op_from_pb(m: wpb.CacheOp) -> CacheOp:
         return ReleaseRow(m.release_row.row)
     if kind == "pool_resize":
         return PoolResize(m.pool_resize.kv_slots, m.pool_resize.mamba_slots)
+    if kind == "host_backup":
+        b = m.host_backup
+        return HostBackup(b.job_id, tuple(b.slots), tuple(b.host_pages))
+    if kind == "host_load":
+        ld = m.host_load
+        return HostLoad(ld.job_id, tuple(ld.host_pages), tuple(ld.slots))
+    if kind == "l3_put":
+        return L3Put(m.l3_put.job_id, tuple(m.l3_put.host_pages), tuple(m.l3_put.keys))
+    if kind == "l3_get":
+        return L3Get(m.l3_get.job_id, tuple(m.l3_get.keys), tuple(m.l3_get.host_pages))
     raise ValueError(f"cache op with no operation set ({kind!r})")
 
 
@@ -167,6 +190,7 @@ def result_to_pb(r: StepResult) -> wpb.StepResult:
         num_mamba_slots=r.num_mamba_slots,
         kv_committed_bytes=r.kv_committed_bytes,
         mamba_committed_bytes=r.mamba_committed_bytes,
+        jobs=[wpb.JobResult(job_id=j.job_id, ok=j.ok, pages=j.pages) for j in r.jobs],
     )
 
 
@@ -188,6 +212,7 @@ def result_from_pb(m: wpb.StepResult) -> StepResult:
         num_mamba_slots=m.num_mamba_slots,
         kv_committed_bytes=m.kv_committed_bytes,
         mamba_committed_bytes=m.mamba_committed_bytes,
+        jobs=[JobResult(j.job_id, j.ok, j.pages) for j in m.jobs],
     )
 
 
@@ -214,6 +239,10 @@ def info_to_pb(i: WorkerInfo) -> wpb.WorkerInfo:
         mamba_slot_granularity=i.mamba_slot_granularity,
         pool_page_bytes=i.pool_page_bytes,
         elastic=i.elastic,
+        host_pages=i.host_pages,
+        host_page_tokens=i.host_page_tokens,
+        kv_layout=i.kv_layout,
+        l3=i.l3,
     )
 
 
@@ -240,4 +269,8 @@ def info_from_pb(m: wpb.WorkerInfo) -> WorkerInfo:
         mamba_slot_granularity=m.mamba_slot_granularity,
         pool_page_bytes=m.pool_page_bytes,
         elastic=m.elastic,
+        host_pages=m.host_pages,
+        host_page_tokens=m.host_page_tokens,
+        kv_layout=m.kv_layout,
+        l3=m.l3,
     )

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.common.step import CacheOp, LateMasks, ReleaseRow, ReqInput, StepRequest
+from services.common.step import CacheOp, JobResult, LateMasks, ReleaseRow, ReqInput, StepRequest
 from services.scheduler.elastic_control import ElasticControl
+from services.scheduler.hi_memory import HiMemory
 from services.scheduler.hybrid_memory import HybridMemory
 from services.scheduler.memory import KVMemory
 from services.scheduler.request import Finish, FinishEvent, Fork, Req, TokenEvent
@@ -82,6 +84,8 @@ class Batcher:
         # Hybrid models: Mamba working states, copy-on-write from cached states and checkpoint
         # forks (see hybrid_memory.py); None for dense models.
         self.hybrid: HybridMemory | None = memory if isinstance(memory, HybridMemory) else None
+        # A worker with a host pool: host loads, backups, L3 puts and prefetches (hi_memory.py).
+        self.hier: HiMemory | None = memory if isinstance(memory, HiMemory) else None
         # Elastic pools (set by the loop when a budget is configured): resizes go first in a step.
         self.elastic: ElasticControl | None = None
         self.resize_ops: list[CacheOp] = []
@@ -122,13 +126,16 @@ class Batcher:
                 raise AssertionError("a single prefilling request cannot fit the pool")
             return self.plan()
         hy = self.hybrid
-        if (not inputs and not self.pending_ops and not self.resize_ops
+        host_ops = self.hier.take_ops() if self.hier is not None else []
+        if (not inputs and not self.pending_ops and not self.resize_ops and not host_ops
                 and not (hy is not None and (hy.ops or hy.head_ops))):
             return None
         self.step_id += 1
         # Pool resizes first (later ops and inputs may use a grown pool), then forks planned in
-        # earlier steps, before this step's forward moves the states.
+        # earlier steps, before this step's forward moves the states; host loads before the
+        # forward that reads them.
         ops = self.resize_ops + (self.pending_ops if hy is None else hy.take_ops(hy.take_head()) + self.pending_ops)
+        ops = ops[: len(self.resize_ops)] + host_ops + ops[len(self.resize_ops) :]
         self.resize_ops = []
         step = StepRequest(self.step_id, ops=ops, reqs=[])
         self.pending_ops = []
@@ -185,7 +192,7 @@ class Batcher:
         held: list[Req] = []
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_running:
             req = self.waiting[0]
-            if req.inflight or self._sibling_in_flight(req):
+            if req.inflight or self._sibling_in_flight(req) or (self.hier is not None and self.hier.hold(req)):
                 held.append(self.waiting.popleft())
                 continue
             row = self.mem.rows.alloc()
@@ -293,8 +300,11 @@ class Batcher:
         return LateMasks(plan.step.step_id, masks)
 
     # -- commit ---------------------------------------------------------------------------------
-    def commit(self, plan: Plan, sampled: list[tuple[int, object]]) -> None:
-        """Record the samples (token id, logprob or None) of ``plan.sampled``, in order."""
+    def commit(self, plan: Plan, sampled: list[tuple[int, object]], jobs: Sequence[JobResult] = ()) -> None:
+        """Record the samples (token id, logprob or None) of ``plan.sampled``, in order, and the
+        acknowledgements of the step's host and L3 jobs."""
+        if self.hier is not None:
+            self.hier.on_results(list(jobs))
         for req in plan.prefills:
             if req.finished is None and not req.aborted and req.row is not None:
                 self.mem.cache_unfinished(req)
@@ -360,6 +370,8 @@ class Batcher:
     def _drop_aborted(self) -> None:
         for req in [r for r in self.waiting if r.aborted]:
             self.waiting.remove(req)
+            if req.prefetch is not None:
+                req.prefetch.abort()  # a fetch in flight still releases its pages on its ack
             req.emit_abort()
         for req in [r for r in self.running if r.aborted]:
             self.finish(req, Finish.ABORT)
@@ -372,6 +384,7 @@ class Batcher:
             self.waiting.appendleft(req)
         for req in self.waiting:
             req.inflight = 0  # those samples died with the steps in flight
+            req.prefetch = None  # the host pool and its reservations died with the worker
         self.running = []
         self.pending_ops = []
         self.resize_ops = []

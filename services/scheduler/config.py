@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from services.common.config import ConfigError
+from services.scheduler.hi_memory import HiConfig
 from services.scheduler.loop import LoopConfig
 
 
@@ -44,6 +45,21 @@ class SchedulerConfig:
     elastic_min_kv_slots: int = field(
         default=0, metadata=_h("elastic pools: KV slots kept even when idle; 0 = the context length")
     )
+    hicache_write_policy: Literal["write_through", "write_through_selective", "write_back"] = field(
+        default="write_through", metadata=_h("hierarchical cache: when device pages are copied to the host (and L3)")
+    )
+    hicache_prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = field(
+        default="wait_complete", metadata=_h("hierarchical cache: how long a request waits for its L3 prefetch")
+    )
+    hicache_prefetch_threshold: int = field(
+        default=1, metadata=_h("hierarchical cache: fetch from L3 when it holds this many pages beyond the local hit")
+    )
+    hicache_prefetch_timeout_s: float = field(
+        default=2.0, metadata=_h("hierarchical cache: the wait of the 'timeout' prefetch policy")
+    )
+    hicache_max_inflight: int = field(
+        default=64, metadata=_h("hierarchical cache: backups, puts and prefetches in flight at once")
+    )
     check_invariants: bool = field(default=True, metadata=_h("check KV accounting whenever idle"))
     metrics_port: int = field(default=-1, metadata=_h("Prometheus port; -1 = off, 0 = pick"))
     trace_exporter: Literal["none", "console", "file", "otlp"] = field(default="none", metadata=_h("spans"))
@@ -59,6 +75,10 @@ class SchedulerConfig:
             raise ConfigError("max_running: must be >= 1")
         if min(self.elastic_budget_bytes, self.elastic_idle_s, self.elastic_min_kv_slots) < 0:
             raise ConfigError("elastic_budget_bytes, elastic_idle_s and elastic_min_kv_slots: must be >= 0")
+        if self.hicache_prefetch_threshold < 1 or self.hicache_max_inflight < 1:
+            raise ConfigError("hicache_prefetch_threshold and hicache_max_inflight: must be >= 1")
+        if self.hicache_prefetch_timeout_s < 0:
+            raise ConfigError("hicache_prefetch_timeout_s: must be >= 0")
         if self.checkpoint_every < 0:
             raise ConfigError("checkpoint_every: must be >= 0 (0 = max_prefill_tokens)")
 
@@ -77,4 +97,11 @@ class SchedulerConfig:
             elastic_budget_bytes=self.elastic_budget_bytes,
             elastic_idle_s=self.elastic_idle_s,
             elastic_min_kv_slots=self.elastic_min_kv_slots,
+            hicache=HiConfig(
+                write_policy=self.hicache_write_policy,
+                prefetch_policy=self.hicache_prefetch_policy,
+                prefetch_threshold=self.hicache_prefetch_threshold,
+                prefetch_timeout_s=self.hicache_prefetch_timeout_s,
+                max_inflight_jobs=self.hicache_max_inflight,
+            ),
         )

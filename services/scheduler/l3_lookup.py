@@ -3,8 +3,9 @@
 The prompt's whole pages are hashed with the chained page hash (namespaced by model fingerprint,
 KV layout and cache salt) and the kvstore shards are asked for the leading run of present pages.
 A slow, missing or dead store is a miss, never an error: the lookup is bounded by a short timeout.
-Loading pages back from L3 is the hierarchical cache's job; today the figure is recorded on the
-request's span and in metrics (and nothing writes L3 pages yet, so it is 0).
+The keys are the hierarchical cache's (``WorkerInfo.kv_layout`` and ``host_page_tokens``): the
+figure becomes ``Req.l3_pages``, from which admission decides whether to prefetch
+(``hi_memory.HiMemory.hold``). A worker without L3 gets no lookup.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from services.kvstore.sharded import ShardedKVStore
 
 log = logging.getLogger(__name__)
 
-L3_PAGE_TOKENS = 64  # tokens per L3 page: big enough that one request asks for few keys
+L3_PAGE_TOKENS = 64  # the worker's default --host-page-tokens: tokens per host / L3 page
 LOOKUP_TIMEOUT_S = 0.05
 
 
@@ -38,17 +39,27 @@ class L3Lookup:
         await self._discovery.stop()
 
     async def leading_pages(self, ids: list[int], salt: str, info: WorkerInfo) -> int:
-        """Pages of ``ids``, from the first, present in L3 (0 on any failure or timeout)."""
-        layout = f"kv/{info.architecture}/{info.dtype}/{info.bytes_per_slot}B/P{L3_PAGE_TOKENS}"
-        keys = page_hashes(ids, L3_PAGE_TOKENS, HashNamespace(info.fingerprint, layout, cache_salt=salt))
-        if not keys:
-            return 0
+        """Pages of ``ids``, from the first, present in L3 (0 on any failure or timeout, and 0
+        when the worker does not use L3)."""
         with self._tracer.start_as_current_span("scheduler.l3_lookup") as span:
-            try:
-                hits = await asyncio.wait_for(self._store.exists(keys), LOOKUP_TIMEOUT_S)
-            except Exception as e:  # a slow or broken store is a miss
-                log.debug("L3 lookup failed: %r", e)
-                hits = 0
+            hits = await leading_pages(self._store, ids, salt, info)
             span.set_attribute("strata.l3_pages", hits)
-            span.set_attribute("strata.pages", len(keys))
             return hits
+
+
+async def leading_pages(
+    store: ShardedKVStore, ids: list[int], salt: str, info: WorkerInfo, timeout_s: float = LOOKUP_TIMEOUT_S
+) -> int:
+    """The lookup itself: hash ``ids``' whole pages as the worker's hierarchical cache keys them
+    and ask the shards for the leading run present (0 on a slow or broken store)."""
+    if not info.l3:
+        return 0
+    ns = HashNamespace(info.fingerprint, info.kv_layout, cache_salt=salt)
+    keys = page_hashes(ids, info.host_page_tokens, ns)
+    if not keys:
+        return 0
+    try:
+        return await asyncio.wait_for(store.exists(keys), timeout_s)
+    except Exception as e:  # a slow or broken store is a miss
+        log.debug("L3 lookup failed: %r", e)
+        return 0

@@ -15,13 +15,15 @@ import asyncio
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common.errors import ResourceExhausted, Unavailable
+from services.common.page_hash import HashNamespace
 from services.common.step import WorkerInfo
 from services.common.validation import Limits
 from services.scheduler.batcher import Batcher, BatchLimits, Plan
 from services.scheduler.elastic_control import ElasticConfig, ElasticControl
+from services.scheduler.hi_memory import HiConfig, HiMemory
 from services.scheduler.hybrid_memory import HybridMemory
 from services.scheduler.memory import KVMemory
 from services.scheduler.metrics import SchedulerMetrics
@@ -48,6 +50,7 @@ class LoopConfig:
     elastic_budget_bytes: int = 0  # KV + Mamba pool bytes, resized at run time; 0 = static pools
     elastic_idle_s: float = 5.0  # give pool memory back after this long idle
     elastic_min_kv_slots: int = 0  # the KV pool never shrinks below this; 0 = the context length
+    hicache: HiConfig = field(default_factory=HiConfig)  # used when the worker has a host pool (and cache is radix)
 
 
 @dataclass(slots=True)
@@ -82,11 +85,20 @@ class SchedulerLoop:
         info = link.info
         cfg = self.cfg
         mem: KVMemory
+        if info.hybrid and info.host_pages:
+            log.warning("the host pool of a hybrid model is not used yet: prefixes stay on the device")
         if info.hybrid:
             mem = HybridMemory(
                 info.num_slots, info.num_rows, info.page_size, cfg.cache, info.num_mamba_slots,
                 state_policy="lru" if cfg.mamba_policy == "lru" else "marconi",
                 checkpoint_every=cfg.checkpoint_every or cfg.max_prefill_tokens,
+            )
+        elif info.host_pages and cfg.cache == "radix":
+            mem = HiMemory(
+                info.num_slots, info.num_rows, info.page_size,
+                host_pages=info.host_pages, host_page_tokens=info.host_page_tokens,
+                namespace=HashNamespace(info.fingerprint, info.kv_layout), l3=info.l3,
+                eviction="lfu" if cfg.eviction == "lfu" else "lru", cfg=cfg.hicache,
             )
         else:
             mem = KVMemory(info.num_slots, info.num_rows, info.page_size, cfg.cache, cfg.eviction)
@@ -220,7 +232,7 @@ class SchedulerLoop:
                         continue  # plan the next step while this one runs
                 done, t0 = inflight.popleft()
                 result = await link.recv()
-                batcher.commit(done, [(o.token_id, o.logprob) for o in result.outputs])
+                batcher.commit(done, [(o.token_id, o.logprob) for o in result.outputs], result.jobs)
                 if inflight and inflight[0][0].late:  # the next step waits for these masks
                     await link.send_masks(batcher.late_masks(inflight[0][0], link.info.vocab_size))
             except WorkerGone as e:

@@ -82,6 +82,7 @@ class Req:
     lock: Any = None  # the cache node locked for slots[:cache_len]
     cached_tokens: int = 0  # prompt tokens reused on first admission (reported as usage)
     l3_pages: int = 0  # leading prompt pages the shared store (L3) holds, at submission
+    prefetch: Any = None  # hierarchical cache: this request's L3 prefetch (a PrefetchTracker), once started
     first_admission: bool = True
     sent_history: bool = False
     row_dirty: bool = False  # the worker's row holds slots the cache replaced: resend them

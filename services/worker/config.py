@@ -31,6 +31,12 @@ class WorkerConfig:
         "elastic KV reservation in bytes: PoolResize may grow the KV pool up to it; 0 = kv_cache_bytes"))
     mamba_max_slots: int = field(default=0, metadata=_h(
         "elastic Mamba reservation in slots: PoolResize may grow the Mamba pool up to it; 0 = the starting slots"))
+    host_cache_bytes: int = field(default=0, metadata=_h(
+        "hierarchical cache: bytes of host memory for KV pages evicted from the device; 0 = off"))
+    host_page_tokens: int = field(default=64, metadata=_h(
+        "hierarchical cache: tokens per host / kvstore page (a multiple of page_size)"))
+    l3: bool = field(default=False, metadata=_h(
+        "hierarchical cache: put and get pages on the kvstore shards found through etcd"))
     metrics_port: int = field(default=-1, metadata=_h("Prometheus port; -1 = off, 0 = pick"))
     trace_exporter: Literal["none", "console", "file", "otlp"] = field(default="none", metadata=_h("spans"))
     trace_target: str = field(default="", metadata=_h("file path or OTLP endpoint for spans"))
@@ -50,3 +56,9 @@ class WorkerConfig:
             raise ConfigError(f"kv_max_bytes: must be 0 or >= kv_cache_bytes ({self.kv_cache_bytes})")
         if self.mamba_max_slots < 0:
             raise ConfigError("mamba_max_slots: must be >= 0")
+        if self.host_cache_bytes < 0:
+            raise ConfigError("host_cache_bytes: must be >= 0 (0 = no host pool)")
+        if self.host_page_tokens < 1 or self.host_page_tokens % self.page_size:
+            raise ConfigError(f"host_page_tokens: must be a positive multiple of page_size ({self.page_size})")
+        if self.l3 and not (self.etcd and self.host_cache_bytes):
+            raise ConfigError("l3: needs --etcd (to find the kvstore shards) and --host-cache-bytes > 0")

@@ -4,7 +4,9 @@ A step runs in four stages, and nothing is mutated until the first one has passe
 
 1. **validate** every op and request (``StepError`` naming the request and field otherwise);
 2. **ops** in order: ``MambaCopy``, ``MambaReset``, ``ReleaseRow``, ``PoolResize`` (commits or
-   releases pool memory; the pools' tensors never move, so the forward sees the same buffers);
+   releases pool memory; the pools' tensors never move, so the forward sees the same buffers),
+   ``HostBackup`` / ``HostLoad`` (device ↔ host pool) and ``L3Put`` / ``L3Get`` (host pool ↔
+   kvstore, started here and finished after sampling; see ``host_ops``);
 3. **forward** over all requests at once (prefill chunks with or without a cached prefix and
    decodes mixed): ``prefix_slots`` and ``new_slots`` are written into each request's row of
    ``req_to_token``, then the model stores the new KV and returns logits;
@@ -27,6 +29,10 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from services.common.step import (
+    HostBackup,
+    HostLoad,
+    L3Get,
+    L3Put,
     LateMasks,
     MambaCopy,
     MambaReset,
@@ -41,6 +47,8 @@ from services.common.step import (
 )
 from services.worker.batch import BatchEntry, ForwardBatch, ForwardContext
 from services.worker.engine_config import DTYPES, EngineConfig
+from services.worker.host_cache import HostPool
+from services.worker.host_ops import HostTier, L3Port
 from services.worker.loader import fingerprint, load_model
 from services.worker.models.registry import CausalLM
 from services.worker.pool_backing import choose_backing
@@ -58,7 +66,8 @@ log = logging.getLogger(__name__)
 class Engine:
     """Owns the weights and the device pools; executes steps. Not thread-safe (one step at a time)."""
 
-    def __init__(self, model_dir: Path | str, cfg: EngineConfig | None = None) -> None:
+    def __init__(self, model_dir: Path | str, cfg: EngineConfig | None = None, l3: L3Port | None = None) -> None:
+        """``l3``: the kvstore shards, for ``L3Put`` / ``L3Get`` (needs a host pool)."""
         cfg = cfg or EngineConfig()
         model_dir = Path(model_dir)
         device = torch.device(cfg.device)
@@ -88,6 +97,19 @@ class Engine:
             from services.worker.mamba_pool import MambaPool as Pool  # only hybrid models need it
 
             self.mamba = Pool(cfg.initial_mamba_slots, spec, device, max_slots=mamba_max or None, backing=backing)
+        self.host: HostTier | None = None
+        if cfg.host_cache_bytes and self.mamba is not None:
+            log.warning("no host pool for a hybrid model yet (its Mamba states have no host tier): "
+                        "host_cache_bytes ignored")
+            l3 = None
+        elif cfg.host_cache_bytes:
+            pool = HostPool.from_budget(
+                cfg.host_cache_bytes, cfg.host_page_tokens, model.num_kv_layers, model.num_kv_heads,
+                model.head_dim, dtype, pin_memory=device.type == "cuda",
+            )
+            self.host = HostTier(pool, l3)
+        elif l3 is not None:
+            raise ValueError("an L3 connection needs a host pool (host_cache_bytes > 0)")
         self.info = WorkerInfo(
             model=model_dir.resolve().name,
             architecture=loaded.architecture,
@@ -110,6 +132,10 @@ class Engine:
             mamba_slot_granularity=self.mamba.slot_granularity if self.mamba else 0,
             pool_page_bytes=backing.page_bytes,
             elastic=backing.elastic,
+            host_pages=self.host.pool.num_pages if self.host else 0,
+            host_page_tokens=cfg.host_page_tokens if self.host else 0,
+            kv_layout=f"{self.host.pool.layout}/tp0of1" if self.host else "",
+            l3=self.host is not None and self.host.l3 is not None,
         )
         self._ctx = ForwardContext(self.kv, self.req_to_token.table, self.mamba)
         self._last_sample: dict[int, int] = {}
@@ -166,6 +192,8 @@ class Engine:
             mamba_committed_bytes=self.mamba.committed_bytes if self.mamba else 0,
         )
         if not req.reqs:
+            if self.host is not None:
+                result.jobs = self.host.finish()
             return result
         t0 = time.perf_counter()
         logits = self._forward(req.reqs, all_logits=False)
@@ -178,6 +206,8 @@ class Engine:
         t2 = time.perf_counter()
         result.outputs = self._sample(req.reqs, masks, logits.float())
         result.forward_s, result.sample_s = t1 - t0, time.perf_counter() - t2
+        if self.host is not None:  # L3 transfers ran alongside the forward
+            result.jobs = self.host.finish()
         result.idle_s = t2 - t1 if late else 0.0  # waiting for the late masks
         return result
 
@@ -208,6 +238,9 @@ class Engine:
                 max_top_logprobs=MAX_TOP_LOGPROBS,
                 rows_with_sample=set(self._last_sample),
                 row_len=self._row_len,
+                host_pages=self.info.host_pages,
+                host_page_tokens=self.info.host_page_tokens,
+                l3=self.info.l3,
             )
         except StepError:
             raise
@@ -215,6 +248,8 @@ class Engine:
             raise StepError(str(e)) from e
 
     def _run_ops(self, req: StepRequest) -> None:
+        if self.host is not None:
+            self.host.begin()
         for op in req.ops:
             if isinstance(op, MambaCopy):
                 assert self.mamba is not None  # validated
@@ -229,6 +264,9 @@ class Engine:
                 self._last_sample.pop(op.row, None)
                 self._row_len.pop(op.row, None)
                 self._history.pop(op.row, None)
+            elif isinstance(op, HostBackup | HostLoad | L3Put | L3Get):
+                assert self.host is not None  # validated
+                self.host.run(op, self.kv)
 
     def _resize(self, op: PoolResize) -> None:
         """The shrinking pool first, so that memory held never peaks above max(before, after)."""

@@ -30,6 +30,9 @@ class EngineConfig:
     ``PoolResize`` ops may grow the pools into (0 = the starting size: a pool can shrink and grow
     back, never beyond it). Without an elastic backing on the device the reservations fall back
     to the starting sizes.
+
+    Hierarchical cache: ``host_cache_bytes`` sizes the host (L2) pool in pages of
+    ``host_page_tokens`` tokens (0 = no host pool).
     """
 
     device: str = "cpu"
@@ -41,6 +44,8 @@ class EngineConfig:
     page_size: int = 1
     kv_max_bytes: int = 0
     mamba_max_slots: int = 0
+    host_cache_bytes: int = 0
+    host_page_tokens: int = 64
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -50,6 +55,13 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_context is not None and self.max_context < 1:
             raise ValueError(f"EngineConfig.max_context must be >= 1 or None, got {self.max_context}")
+        if self.host_cache_bytes < 0:
+            raise ValueError(
+                f"EngineConfig.host_cache_bytes must be >= 0 (0 = no host pool), got {self.host_cache_bytes}"
+            )
+        if self.host_page_tokens < 1 or self.host_page_tokens % self.page_size:
+            raise ValueError(f"EngineConfig.host_page_tokens must be a positive multiple of page_size "
+                             f"({self.page_size}), got {self.host_page_tokens}")
         if self.mamba_slots < 0:
             raise ValueError(f"EngineConfig.mamba_slots must be >= 0, got {self.mamba_slots}")
         if self.kv_max_bytes and self.kv_max_bytes < self.kv_cache_bytes:

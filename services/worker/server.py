@@ -18,6 +18,7 @@ from services.common.server import Server, run_service
 from services.common.step import LateMasks, StepRequest, StepResult
 from services.worker.config import WorkerConfig
 from services.worker.engine import Engine, EngineConfig
+from services.worker.l3_port import KVStorePort
 from strata.worker.v1 import worker_pb2 as wpb
 from strata.worker.v1 import worker_pb2_grpc as wgrpc
 
@@ -116,12 +117,17 @@ def engine_config(cfg: WorkerConfig) -> EngineConfig:
         page_size=cfg.page_size,
         kv_max_bytes=cfg.kv_max_bytes,
         mamba_max_slots=cfg.mamba_max_slots,
+        host_cache_bytes=cfg.host_cache_bytes,
+        host_page_tokens=cfg.host_page_tokens,
     )
 
 
 async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
     telemetry.setup_tracing("worker", cfg.trace_exporter, cfg.trace_target.replace("{service}", "worker"))
-    engine = await asyncio.to_thread(Engine, Path(cfg.model), engine_config(cfg))
+    port_l3 = KVStorePort(cfg.etcd) if cfg.l3 else None
+    if port_l3 is not None:
+        await port_l3.start()
+    engine = await asyncio.to_thread(Engine, Path(cfg.model), engine_config(cfg), port_l3)
     info = engine.info
     name = cfg.model_name or info.model
     if cfg.etcd:
@@ -147,12 +153,15 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
         )
         registration = Registration(cfg.etcd, record, ttl_s=cfg.lease_ttl_s)
         await registration.start()
-    log.info("worker serving %s on %s (%d slots, %d rows)", name, address, info.num_slots, info.num_rows)
+    log.info("worker serving %s on %s (%d slots, %d rows, %d host pages, L3 %s)", name, address,
+             info.num_slots, info.num_rows, info.host_pages, "on" if info.l3 else "off")
     print(f"READY worker {address}", flush=True)
     await stop.wait()
     if registration is not None:
         await registration.stop()
     await server.stop()
+    if port_l3 is not None:
+        await port_l3.close()
     telemetry.shutdown_tracing()
 
 

@@ -16,6 +16,10 @@ from collections.abc import Mapping
 import torch
 
 from services.common.step import (
+    HostBackup,
+    HostLoad,
+    L3Get,
+    L3Put,
     MambaCopy,
     MambaReset,
     PoolResize,
@@ -24,6 +28,7 @@ from services.common.step import (
     StepError,
     StepRequest,
 )
+from services.worker.host_ops import check_host_op
 from services.worker.pools import check_kv_capacity
 
 _WORD_BITS = 32
@@ -43,6 +48,9 @@ def check_step(
     max_top_logprobs: int,
     rows_with_sample: set[int],
     row_len: Mapping[int, int],
+    host_pages: int = 0,
+    host_page_tokens: int = 0,
+    l3: bool = False,
 ) -> list[torch.Tensor | None]:
     """Raise ``StepError`` for the first problem found; return one bitmask (or ``None``) per request.
 
@@ -50,7 +58,8 @@ def check_step(
     / ``max_mamba_slots`` the reservations, ``slot_granularity`` the KV resize unit.
     ``max_mamba_slots == 0`` means a dense model: Mamba ops and ``mamba_slot`` are refused.
     ``rows_with_sample`` / ``row_len``: rows holding a previous sample / how many positions each
-    row holds, before this step's ops.
+    row holds, before this step's ops. ``host_pages`` / ``host_page_tokens`` / ``l3``: the host
+    pool (0 pages = none) and whether the kvstore is reachable, for the hierarchical-cache ops.
     """
     sampled = set(rows_with_sample)
     lengths = dict(row_len)
@@ -71,6 +80,10 @@ def check_step(
             _in_range(op.row, num_rows, f"{where}.row")
             sampled.discard(op.row)
             lengths.pop(op.row, None)
+        elif isinstance(op, HostBackup | HostLoad | L3Put | L3Get):
+            check_host_op(
+                op, where, num_slots=num_slots, host_pages=host_pages, page_tokens=host_page_tokens, l3=l3
+            )
         else:
             raise StepError(f"{where}: unknown op type")
 

@@ -107,9 +107,10 @@ class HiRadixCache(PrefixCache):
     def match_prefix(self, key: CacheKey) -> MatchResult:
         return self.match(key).as_result()
 
-    def match(self, key: CacheKey) -> HiMatch:
+    def match(self, key: CacheKey, *, touch: bool = True) -> HiMatch:
         """The device prefix and its host-only continuation. Refreshes access statistics and queues
-        the writes the policy wants for the nodes passed (write_through_selective: second hits)."""
+        the writes the policy wants for the nodes passed (write_through_selective: second hits);
+        ``touch=False`` only looks (no hit is counted, no write queued)."""
         t, ps = self._t, self.page_size
         root = t.roots.get(key.extra)
         if root is None or len(key.tokens) < ps:
@@ -118,7 +119,7 @@ class HiRadixCache(PrefixCache):
         if child_key(as_array(key.tokens[:ps]), 0, ps) not in root.children:
             return HiMatch([], root, 0, [], root)
         tokens = as_array(key.tokens)
-        path = t.walk(root, tokens, self.aligned_len(len(tokens)), hit=True)
+        path = t.walk(root, tokens, self.aligned_len(len(tokens)), hit=touch)
         slots: list[int] = []
         host_pages: list[int] = []
         node = host_node = root
@@ -134,7 +135,7 @@ class HiRadixCache(PrefixCache):
                 host_node = cur
             else:
                 break  # being loaded: neither usable on the device nor loadable again
-        if self.write_policy != "write_back":
+        if touch and self.write_policy != "write_back":
             for cur in path:
                 self._queue_writes(cur)
         return HiMatch(slots, node, host_len, host_pages, host_node)
@@ -165,6 +166,11 @@ class HiRadixCache(PrefixCache):
     def host_protected_size(self) -> int:
         """Host pages held and not evictable now: also on the device, pinned, or in a job."""
         return self._t.host_protected + self._job_pages
+
+    @property
+    def queued_writes(self) -> int:
+        """Nodes whose backup or put the write policy wants and `take_jobs` has not issued yet."""
+        return len(self._t.want_backup) + len(self._t.want_put)
 
     @property
     def inflight_jobs(self) -> int:
