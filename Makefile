@@ -13,7 +13,7 @@ PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := strata/.generated
 PORT ?= 50051
 
-.PHONY: run test test-all soak bench bench-hybrid bench-elastic lint protos install system-deps models clean
+.PHONY: run test test-all soak bench bench-hybrid bench-elastic bench-kvstore lint protos install system-deps models clean
 
 run: install models
 	$(BIN)/strata up --model $(TINY) --port $(PORT)
@@ -47,6 +47,11 @@ bench-elastic: install $(BENCH_NEXT)/config.json
 
 $(BENCH_NEXT)/config.json: | install
 	$(BIN)/strata model tiny --arch qwen3-next --size bench --out $(BENCH_NEXT)
+
+# kvstore put / get GB/s through real server processes (memory and file backends, 1 and 2 shards)
+# against a memcpy of the same bytes (~20 s); writes docs/bench/kvstore.json and prints the table.
+bench-kvstore: install
+	$(BIN)/python -m services.bench.kvstore_bw
 
 lint: install
 	$(BIN)/ruff check services kernels tests
