@@ -41,6 +41,9 @@ class SchedulerConfig:
     elastic_budget_bytes: int = field(
         default=0, metadata=_h("resize the worker's KV + Mamba pools at run time within this many bytes; 0 = static")
     )
+    elastic_shared_budget: str = field(
+        default="", metadata=_h("share --elastic-budget-bytes with other schedulers under this name in etcd")
+    )
     elastic_idle_s: float = field(default=5.0, metadata=_h("elastic pools: give memory back after this long idle"))
     elastic_min_kv_slots: int = field(
         default=0, metadata=_h("elastic pools: KV slots kept even when idle; 0 = the context length")
@@ -75,6 +78,8 @@ class SchedulerConfig:
             raise ConfigError("max_running: must be >= 1")
         if min(self.elastic_budget_bytes, self.elastic_idle_s, self.elastic_min_kv_slots) < 0:
             raise ConfigError("elastic_budget_bytes, elastic_idle_s and elastic_min_kv_slots: must be >= 0")
+        if self.elastic_shared_budget and not (self.etcd and self.elastic_budget_bytes):
+            raise ConfigError("elastic_shared_budget: needs --etcd and --elastic-budget-bytes (the shared total)")
         if self.hicache_prefetch_threshold < 1 or self.hicache_max_inflight < 1:
             raise ConfigError("hicache_prefetch_threshold and hicache_max_inflight: must be >= 1")
         if self.hicache_prefetch_timeout_s < 0:

@@ -12,7 +12,9 @@ the loop has been idle) and asks the ``Orchestrator`` for target capacities. The
   themselves as they finish); only then is ``PoolResize`` sent and the memory given back.
 
 A grow is deferred while a shrink of the other pool is still draining if sending it would put the
-worker over the budget. The orchestrator hears about a capacity only when it is sent
+worker over the budget. With a ``BudgetLedger`` (one budget shared by several workers' schedulers
+through etcd) the budget is what the ledger has granted this worker, and the ledger hears what
+this worker holds and needs at every plan. The orchestrator hears about a capacity only when it is sent
 (``applied``); steps are ordered, so the worker has it before any later step uses it. The first
 plan after attaching always sends the starting capacities, so a worker whose pools were resized
 by an earlier scheduler (or before a failed step) is brought back in line.
@@ -25,6 +27,7 @@ import time
 from dataclasses import dataclass
 
 from services.common.step import PoolResize, WorkerInfo
+from services.scheduler.budget_ledger import BudgetLedger
 from services.scheduler.hybrid_memory import HybridMemory
 from services.scheduler.memory import KVMemory
 from services.scheduler.orchestrator import Demand, Orchestrator, ResizePlan
@@ -43,7 +46,11 @@ class ElasticConfig:
 
 
 class ElasticControl:
-    def __init__(self, cfg: ElasticConfig, info: WorkerInfo, mem: KVMemory) -> None:
+    def __init__(
+        self, cfg: ElasticConfig, info: WorkerInfo, mem: KVMemory, ledger: BudgetLedger | None = None
+    ) -> None:
+        """``ledger``: a budget shared with other workers' schedulers; ``cfg.budget_bytes`` is then
+        its total, and this worker may commit only what the ledger has granted it."""
         if not info.elastic:
             log.warning("worker pools are fixed allocations: resizes are bookkeeping only")
         self.info, self.mem = info, mem
@@ -66,6 +73,7 @@ class ElasticControl:
         self._pending_op: PoolResize | None = PoolResize(start.kv_slots, start.mamba_slots)
         self._last_busy = time.monotonic()
         self.resizes = 0
+        self.ledger = ledger
 
     def _kv_start(self, min_kv: int) -> int:
         unit = self.orch.units.kv_slots
@@ -98,7 +106,10 @@ class ElasticControl:
 
     def before_plan(self, waiting: list[Req], busy: bool) -> list[PoolResize]:
         """Adjust the allocators to the orchestrator's target; the ops to put first in the step."""
-        plan = self.orch.propose(self.demand(waiting, busy))
+        d = self.demand(waiting, busy)
+        if self.ledger is not None:
+            self._share(d)
+        plan = self.orch.propose(d)
         if plan is not None:
             self._target = ResizePlan(min(plan.kv_slots, self.info.max_slots),
                                       min(plan.mamba_slots, self.info.max_mamba_slots))
@@ -111,8 +122,18 @@ class ElasticControl:
             self._pending_op = PoolResize(send.kv_slots, send.mamba_slots)
             self.resizes += 1
             self._set_limits()
+            if self.ledger is not None:
+                self.ledger.update_held(self.orch.bytes_of(send))
         op, self._pending_op = self._pending_op, None
         return [op] if op is not None else []
+
+    def _share(self, d: Demand) -> None:
+        """Report to the shared budget and take what it has granted as this worker's budget."""
+        o, ledger = self.orch, self.ledger
+        assert ledger is not None
+        ledger.report(held=o.bytes_of(self.sent), floor=o.bytes_of(o.floor(d)), want=o.bytes_of(o.want(d)),
+                      min_bytes=o.min_bytes, busy=not o.is_idle(d))
+        o.set_budget(max(o.min_bytes, ledger.granted))
 
     def _set_limits(self) -> None:
         """Allocator limits: a shrink applies at once (lazily), a grow only once it is sent."""

@@ -22,6 +22,7 @@ from services.common.page_hash import HashNamespace
 from services.common.step import WorkerInfo
 from services.common.validation import Limits
 from services.scheduler.batcher import Batcher, BatchLimits, Plan
+from services.scheduler.budget_ledger import BudgetLedger
 from services.scheduler.elastic_control import ElasticConfig, ElasticControl
 from services.scheduler.hi_memory import HiConfig, HiMemory
 from services.scheduler.hybrid_memory import HybridMemory
@@ -64,9 +65,14 @@ class Counters:
 
 
 class SchedulerLoop:
-    def __init__(self, cfg: LoopConfig, metrics: SchedulerMetrics | None = None) -> None:
+    def __init__(
+        self, cfg: LoopConfig, metrics: SchedulerMetrics | None = None, ledger: BudgetLedger | None = None
+    ) -> None:
+        """``ledger``: the elastic budget is shared with other schedulers (``cfg.elastic_budget_bytes``
+        is then the shared total)."""
         self.cfg = cfg
         self.metrics = metrics
+        self.ledger = ledger
         self.link: WorkerLink | None = None
         self.batcher: Batcher | None = None
         self.requests: dict[str, Req] = {}
@@ -110,7 +116,7 @@ class SchedulerLoop:
         batcher = Batcher(mem, limits, frozenset(info.eos_token_ids), info.context_length)
         if cfg.elastic_budget_bytes:
             ecfg = ElasticConfig(cfg.elastic_budget_bytes, cfg.elastic_min_kv_slots, idle_s=cfg.elastic_idle_s)
-            batcher.elastic = ElasticControl(ecfg, info, mem)
+            batcher.elastic = ElasticControl(ecfg, info, mem, self.ledger)
         for req in self._orphans:
             batcher.waiting.append(req)
         self._orphans = []

@@ -243,26 +243,49 @@ class SharedBudget:
         """Set and return every member's budget for these demands (one per member, in order)."""
         if len(demands) != len(self.members):
             raise ValueError(f"{len(demands)} demands for {len(self.members)} members")
-        floors = [m.bytes_of(m.floor(d)) for m, d in zip(self.members, demands, strict=True)]
-        wants = [m.bytes_of(m.want(d)) for m, d in zip(self.members, demands, strict=True)]
-        held = [m.bytes_of(m.current) for m in self.members]
-        spare = self.total_bytes - sum(floors)
-        extra = [w - f for w, f in zip(wants, floors, strict=True)]
-        if sum(extra) <= spare:
-            budgets = list(wants)
-            spare -= sum(extra)
-            busy = [i for i, (m, d) in enumerate(zip(self.members, demands, strict=True)) if not m.is_idle(d)]
-            weight = sum(wants[i] for i in busy)
-            for i in busy:
-                budgets[i] += spare * wants[i] // weight if weight else spare // len(busy)
-        else:
-            total_extra = sum(extra)
-            budgets = [f + max(spare, 0) * e // total_extra for f, e in zip(floors, extra, strict=True)]
-        others = sum(held)
-        for i, m in enumerate(self.members):
-            budgets[i] = max(m.min_bytes, min(budgets[i], self.total_bytes - (others - held[i])))
-            m.set_budget(budgets[i])
+        shares = [
+            Share(m.bytes_of(m.floor(d)), m.bytes_of(m.want(d)), m.bytes_of(m.current), m.min_bytes, not m.is_idle(d))
+            for m, d in zip(self.members, demands, strict=True)
+        ]
+        budgets = split_shares(self.total_bytes, shares)
+        for m, b in zip(self.members, budgets, strict=True):
+            m.set_budget(b)
         return tuple(budgets)
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """One member of a shared budget, in bytes: what it cannot give up (``floor``), what would
+    serve its demand (``want``), what it holds now (``held``), its minimum, and whether it is busy."""
+
+    floor: int
+    want: int
+    held: int
+    min_bytes: int
+    busy: bool
+
+
+def split_shares(total: int, shares: Sequence[Share]) -> list[int]:
+    """Budgets for ``shares`` out of ``total`` bytes (see ``SharedBudget``): floors, then wants (or
+    shares of the rest in proportion to unmet want), the spare to busy members; a member's budget
+    never exceeds ``total - what the others hold``, so growing only uses bytes already released."""
+    floors = [s.floor for s in shares]
+    wants = [s.want for s in shares]
+    held = [s.held for s in shares]
+    spare = total - sum(floors)
+    extra = [w - f for w, f in zip(wants, floors, strict=True)]
+    if sum(extra) <= spare:
+        budgets = list(wants)
+        spare -= sum(extra)
+        busy = [i for i, s in enumerate(shares) if s.busy]
+        weight = sum(wants[i] for i in busy)
+        for i in busy:
+            budgets[i] += spare * wants[i] // weight if weight else spare // len(busy)
+    else:
+        total_extra = sum(extra)
+        budgets = [f + max(spare, 0) * e // total_extra for f, e in zip(floors, extra, strict=True)]
+    others = sum(held)
+    return [max(s.min_bytes, min(b, total - (others - h))) for s, b, h in zip(shares, budgets, held, strict=True)]
 
 
 def _round_up(n: int, m: int) -> int:

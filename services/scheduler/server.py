@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -17,6 +18,7 @@ from services.common.discovery import Discovery, Registration, ServiceRecord
 from services.common.errors import AlreadyExists, FailedPrecondition
 from services.common.metrics import start_metrics_server
 from services.common.server import Server, run_service
+from services.scheduler.budget_ledger import BudgetLedger
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.grammar import Constraint, GrammarService, Matcher
 from services.scheduler.l3_lookup import L3Lookup
@@ -190,7 +192,12 @@ async def _manage_workers(cfg: SchedulerConfig, loop: SchedulerLoop, stop: async
 async def serve(cfg: SchedulerConfig, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
     telemetry.setup_tracing("scheduler", cfg.trace_exporter, cfg.trace_target.replace("{service}", "scheduler"))
     registry = CollectorRegistry()
-    loop = SchedulerLoop(cfg.loop(), SchedulerMetrics(registry))
+    ledger = None
+    if cfg.elastic_shared_budget:  # validated: needs etcd and a budget
+        member = cfg.instance_id or f"scheduler-{os.getpid()}"
+        ledger = BudgetLedger(cfg.etcd, cfg.elastic_shared_budget, member, cfg.elastic_budget_bytes)
+        await ledger.start()
+    loop = SchedulerLoop(cfg.loop(), SchedulerMetrics(registry), ledger)
     server = Server(telemetry.server_interceptors())
     l3 = L3Lookup(cfg.etcd) if cfg.etcd and cfg.l3_lookup else None
     if l3 is not None:
@@ -221,6 +228,8 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event, ready: asyncio.Event 
         await loop.link.close()
     if l3 is not None:
         await l3.close()
+    if ledger is not None:
+        await ledger.stop()
     await server.stop()
     telemetry.shutdown_tracing()
 
