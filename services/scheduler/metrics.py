@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import asdict
 
 from prometheus_client import CollectorRegistry
 
 from services.common.metrics import MetricFactory
 from services.common.step import StepResult
 from services.scheduler.batcher import Batcher, Plan
+from services.scheduler.hi_memory import HiMemory
 from services.scheduler.hybrid_memory import HybridMemory
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,14 @@ class SchedulerMetrics:
             "mamba_events", "Mamba state operations: cow_copy, fork, fork_inserted, fork_skipped, "
             "donated, evicted.", ["event"],
         )
+        # Workers with a host pool: the hierarchical cache.
+        self.host_pages = m.gauge("host_pages", "Host (L2) pool pages by state.", ["state"])
+        self.hicache_events = m.counter(
+            "hicache_events", "Hierarchical cache transfers: load_tokens (host to device at admission), "
+            "backup_pages, put_pages, prefetch_pages (asked of L3), prefetched_pages (arrived), failed_jobs.",
+            ["event"],
+        )
+        self._last_hi: dict[str, int] = {}
         self._last_mamba: dict[str, int] = {}
         self._last = (0, 0, 0, 0)  # cached tokens, retractions, evicted, prompt tokens already counted
         self._last_log = time.monotonic()
@@ -59,6 +69,8 @@ class SchedulerMetrics:
         self._last = (batcher.cached_tokens, batcher.retractions, batcher.mem.evicted, batcher.prompt_tokens)
         if isinstance(batcher.mem, HybridMemory):
             self._observe_mamba(batcher.mem)
+        if isinstance(batcher.mem, HiMemory):
+            self._observe_hi(batcher.mem)
         self.generated_tokens.inc(len(result.outputs))
         self.step_seconds.observe(step_s)
         self.worker_forward_seconds.observe(result.forward_s)
@@ -89,7 +101,17 @@ class SchedulerMetrics:
             self.mamba_events.labels(event).inc(n - self._last_mamba.get(event, 0))
         self._last_mamba = now
 
+    def _observe_hi(self, mem: HiMemory) -> None:
+        self.host_pages.labels("free").set(mem.host.available)
+        self.host_pages.labels("evictable").set(mem.hi.host_evictable_size)
+        self.host_pages.labels("protected").set(mem.hi.host_protected_size)
+        now = asdict(mem.counters)
+        for event, n in now.items():
+            self.hicache_events.labels(event).inc(n - self._last_hi.get(event, 0))
+        self._last_hi = now
+
     def reset(self) -> None:
         """A new batcher (worker re-attached) starts its counters from zero."""
         self._last = (0, 0, 0, 0)
         self._last_mamba = {}
+        self._last_hi = {}
