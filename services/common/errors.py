@@ -61,6 +61,9 @@ def status_of(exc: BaseException) -> grpc.StatusCode:
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+    if type(exc).__name__ == "_ServerStoppedError":  # grpc.aio: this server is shutting down
+        log.info("%s ended: the server is stopping", method)
+        raise exc
     code = status_of(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("internal error in %s", method, exc_info=exc)

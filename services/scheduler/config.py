@@ -25,6 +25,9 @@ class SchedulerConfig:
     tokenizer: str = field(default="", metadata=_h("model directory whose tokenizer compiles grammars"))
     grammar_cache: int = field(default=64, metadata=_h("compiled grammars kept (LRU)"))
     l3_lookup: bool = field(default=True, metadata=_h("ask the kvstore shards (L3) for a prompt's pages"))
+    l3_lookup_timeout_s: float = field(
+        default=0.05, metadata=_h("deadline of that lookup; a slower answer counts as a miss")
+    )
     cache: Literal["radix", "none"] = field(default="radix", metadata=_h("prefix cache"))
     eviction: Literal["lru", "lfu"] = field(default="lru", metadata=_h("prefix cache eviction order"))
     policy: Literal["fcfs", "lpm"] = field(default="fcfs", metadata=_h("admission order"))
@@ -82,6 +85,8 @@ class SchedulerConfig:
             raise ConfigError("elastic_shared_budget: needs --etcd and --elastic-budget-bytes (the shared total)")
         if self.hicache_prefetch_threshold < 1 or self.hicache_max_inflight < 1:
             raise ConfigError("hicache_prefetch_threshold and hicache_max_inflight: must be >= 1")
+        if self.l3_lookup_timeout_s <= 0:
+            raise ConfigError("l3_lookup_timeout_s: must be > 0")
         if self.hicache_prefetch_timeout_s < 0:
             raise ConfigError("hicache_prefetch_timeout_s: must be >= 0")
         if self.checkpoint_every < 0:

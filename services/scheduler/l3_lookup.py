@@ -26,7 +26,8 @@ LOOKUP_TIMEOUT_S = 0.05
 
 
 class L3Lookup:
-    def __init__(self, etcd: str) -> None:
+    def __init__(self, etcd: str, timeout_s: float = LOOKUP_TIMEOUT_S) -> None:
+        self._timeout_s = timeout_s
         self._discovery = Discovery(etcd, "kvstore")
         self._store = ShardedKVStore(self._discovery)
         self._tracer = telemetry.get_tracer("strata.scheduler")
@@ -42,7 +43,7 @@ class L3Lookup:
         """Pages of ``ids``, from the first, present in L3 (0 on any failure or timeout, and 0
         when the worker does not use L3)."""
         with self._tracer.start_as_current_span("scheduler.l3_lookup") as span:
-            hits = await leading_pages(self._store, ids, salt, info)
+            hits = await leading_pages(self._store, ids, salt, info, self._timeout_s)
             span.set_attribute("strata.l3_pages", hits)
             return hits
 

@@ -199,7 +199,7 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event, ready: asyncio.Event 
         await ledger.start()
     loop = SchedulerLoop(cfg.loop(), SchedulerMetrics(registry), ledger)
     server = Server(telemetry.server_interceptors())
-    l3 = L3Lookup(cfg.etcd) if cfg.etcd and cfg.l3_lookup else None
+    l3 = L3Lookup(cfg.etcd, cfg.l3_lookup_timeout_s) if cfg.etcd and cfg.l3_lookup else None
     if l3 is not None:
         await l3.start()
     servicer = SchedulerServicer(loop, cfg.tokenizer, cfg.grammar_cache, l3)
