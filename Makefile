@@ -13,7 +13,7 @@ PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := strata/.generated
 PORT ?= 50051
 
-.PHONY: run test test-all soak bench bench-hybrid bench-elastic bench-kvstore lint protos install system-deps models clean
+.PHONY: run test test-all soak bench bench-hybrid bench-elastic bench-kvstore bench-hicache lint protos install system-deps models clean
 
 run: install models
 	$(BIN)/strata up --model $(TINY) --port $(PORT)
@@ -52,6 +52,11 @@ $(BENCH_NEXT)/config.json: | install
 # against a memcpy of the same bytes (~20 s); writes docs/bench/kvstore.json and prints the table.
 bench-kvstore: install
 	$(BIN)/python -m services.bench.kvstore_bw
+
+# TTFT of a long prompt recomputed vs from the device, the host pool and L3 (a kvstore process) at
+# 1k/2k/4k tokens (~1 min on 2 cores); writes docs/bench/hicache.json and prints the table of docs/benchmarks.md.
+bench-hicache: install $(BENCH_MODEL)/config.json
+	$(BIN)/python -m services.bench.hicache --model $(BENCH_MODEL)
 
 lint: install
 	$(BIN)/ruff check services kernels tests

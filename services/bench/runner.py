@@ -109,8 +109,8 @@ class ProfiledEngine:
         self._profile = profile
         self.info = engine.info
 
-    def step(self, req: StepRequest) -> StepResult:
-        result: StepResult = self._profile.runcall(self._engine.step, req)
+    def step(self, req: StepRequest, late_masks: Any = None) -> StepResult:
+        result: StepResult = self._profile.runcall(self._engine.step, req, late_masks)
         return result
 
 
