@@ -15,7 +15,8 @@ import pytest
 from services.kvstore.config import KVStoreConfig
 from services.kvstore.server import build_server
 from services.kvstore.sharded import ShardedKVStore
-from services.scheduler.hi_memory import HiMemory
+from services.scheduler.cache.hiradix_policy import StopPolicy
+from services.scheduler.hi_memory import HiConfig, HiMemory
 from services.scheduler.l3_lookup import leading_pages
 from services.scheduler.loop import LoopConfig, SchedulerLoop
 from services.worker.engine import Engine, EngineConfig
@@ -156,13 +157,11 @@ async def kvstore(shards: _Shards, capacity: int = 1 << 26) -> AsyncIterator[Sha
         await server.stop()
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_prefix_from_l3_equals_transformers(tiny_qwen3: Path, overlap: bool) -> None:
-    """Every turn's prefix is flushed from device and host: it comes back from the kvstore (looked
-    up at submission as the server does, prefetched into the host pool, then loaded)."""
-    shards = _Shards()
-    port = KVStorePort(shards)
-    eng = _engine(tiny_qwen3, port)
+def _l3_turns(
+    eng: Engine, port: KVStorePort, shards: _Shards
+) -> Callable[[SchedulerLoop], Awaitable[list[tuple[list[int], h.Outcome]]]]:
+    """A 3-turn conversation; after each turn device and host are flushed and scribbled over, so
+    only the kvstore holds the prefix (looked up at submission as the server does)."""
 
     async def body(loop: SchedulerLoop) -> list[tuple[list[int], h.Outcome]]:
         await port.start()
@@ -186,9 +185,36 @@ def test_prefix_from_l3_equals_transformers(tiny_qwen3: Path, overlap: bool) -> 
         finally:
             await port.close()
 
-    res, loop = h.serve(eng, LoopConfig(overlap=overlap), body)
+    return body
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_prefix_from_l3_equals_transformers(tiny_qwen3: Path, overlap: bool) -> None:
+    """Every turn's prefix is flushed from device and host: it comes back from the kvstore
+    (prefetched into the host pool while the request waits, then loaded)."""
+    shards = _Shards()
+    port = KVStorePort(shards)
+    eng = _engine(tiny_qwen3, port)
+    res, loop = h.serve(eng, LoopConfig(overlap=overlap), _l3_turns(eng, port, shards))
     _check(tiny_qwen3, res)
     mem = _mem(loop)
     assert mem.counters.put_pages > 0 and mem.counters.prefetched_pages > 0
     assert mem.counters.load_tokens == sum(o.cached_tokens for _, o in res)
+    mem.check_idle_invariant()
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "timeout"])
+def test_prefetch_that_does_not_wait(tiny_qwen3: Path, policy: StopPolicy) -> None:
+    """best_effort (and timeout with a zero wait) admit at once: the request recomputes its
+    prefix while the fetch lands in the host pool; outputs are the same."""
+    shards = _Shards()
+    port = KVStorePort(shards)
+    eng = _engine(tiny_qwen3, port)
+    cfg = LoopConfig(hicache=HiConfig(prefetch_policy=policy, prefetch_timeout_s=0.0))
+    res, loop = h.serve(eng, cfg, _l3_turns(eng, port, shards))
+    for prompt, o in res:
+        assert o.ids == hf_greedy(tiny_qwen3, prompt, OUT, stop_at_eos=False)
+        assert o.cached_tokens == 0  # nothing local, and nobody waited for L3
+    mem = _mem(loop)
+    assert mem.counters.prefetched_pages > 0  # the fetches still happened (and were acknowledged)
     mem.check_idle_invariant()
