@@ -218,3 +218,25 @@ def test_prefetch_that_does_not_wait(tiny_qwen3: Path, policy: StopPolicy) -> No
     mem = _mem(loop)
     assert mem.counters.prefetched_pages > 0  # the fetches still happened (and were acknowledged)
     mem.check_idle_invariant()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_full_pool_waits_for_write_back_evictions(tiny_qwen3: Path, overlap: bool) -> None:
+    """write_back: making room means backing pages up first, so the slots free a step later. A
+    request that needs them waits for the backups instead of being declared unable to fit."""
+    eng = Engine(tiny_qwen3, EngineConfig(kv_cache_bytes=1 << 21, max_rows=4, host_cache_bytes=1 << 22,
+                                          host_page_tokens=PAGE))
+    size = eng.info.num_slots
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, eng.info.vocab_size) for _ in range(size * 2 // 3)] for _ in range(4)]
+    cfg = LoopConfig(overlap=overlap, max_prefill_tokens=64, hicache=HiConfig(write_policy="write_back"))
+
+    async def body(loop: SchedulerLoop) -> list[h.Outcome]:
+        return [await h.one(loop, f"r{i}", h.Spec(p, OUT)) for i, p in enumerate(prompts)]
+
+    outs, loop = h.serve(eng, cfg, body)
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.ids == hf_greedy(tiny_qwen3, p, OUT, stop_at_eos=False)
+    mem = _mem(loop)
+    assert mem.counters.backup_pages > 0  # evictions went through the host
+    mem.check_idle_invariant()

@@ -120,7 +120,7 @@ class Batcher:
                     budget -= n
         budget = self._admit(inputs, budget)
         stuck = any(_prefilling(r) for r in self.running) and not any(r.inflight for r in self.running)
-        if not inputs and stuck:
+        if not inputs and stuck and not self._memory_pending():
             # Running requests need memory to go on and none is waiting for a result: retract.
             if self._retract_newest(exclude=self.running[0]) is None:
                 raise AssertionError("a single prefilling request cannot fit the pool")
@@ -211,7 +211,7 @@ class Batcher:
             ):
                 self.mem.cache_and_release(req)
                 self.mem.rows.free(row)
-                if not self.running and not inputs:
+                if not self.running and not inputs and not self._memory_pending():
                     raise AssertionError("a waiting request cannot fit an empty pool")
                 break
             self.waiting.popleft()
@@ -228,6 +228,11 @@ class Batcher:
         self.waiting.extendleft(reversed(held))
         self.held_back += len(held)
         return budget
+
+    def _memory_pending(self) -> bool:
+        """Memory is on its way back without a request finishing (host backups of evicted pages in
+        flight or about to be sent): wait a step rather than retract or give up."""
+        return self.hier is not None and self.hier.memory_pending
 
     def _sibling_in_flight(self, req: Req) -> bool:
         """A running request is still computing (part of) this request's prefix: wait for it to

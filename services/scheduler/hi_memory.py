@@ -95,6 +95,7 @@ class HiMemory(KVMemory):
         self.cache = self.hi
         self.ops: list[CacheOp] = []  # loads and prefetches planned since the last step
         self._sent: dict[int, BackupJob | PutJob | PrefetchTracker] = {}
+        self._evict_pending = 0  # device slots an eviction is backing up before it frees them
         self.counters = HiCounters()
 
     # -- admission -------------------------------------------------------------------------------
@@ -175,6 +176,22 @@ class HiMemory(KVMemory):
         self.counters.prefetch_pages += len(job.host_pages)
         return t
 
+    def _evict(self, n: int) -> None:
+        """Make ``n`` slots free, counting those already on their way (write-back evictions whose
+        backups are in flight free their slots when acknowledged), so a shortage that persists
+        for a step does not evict again and again."""
+        need = n - self._evict_pending
+        if need > 0:
+            ev = self.hi.evict_device(need)
+            self.evicted += ev.freed
+            self._evict_pending += ev.pending
+
+    @property
+    def memory_pending(self) -> bool:
+        """Slots or pages will come free without anyone finishing: jobs are in flight or queued to
+        go (a write-back eviction frees its slots when its backup is acknowledged)."""
+        return bool(self._sent or self.ops or self.hi.outbox_jobs)
+
     # -- the step stream -------------------------------------------------------------------------
     def take_ops(self) -> list[CacheOp]:
         """Loads and prefetches planned so far, then the backups and puts the tree wants now."""
@@ -196,6 +213,8 @@ class HiMemory(KVMemory):
             if not r.ok:
                 self.counters.failed_jobs += 1
             if isinstance(job, BackupJob):
+                if job.evict_after:
+                    self._evict_pending -= len(job.slots)
                 if r.ok:
                     self.counters.backup_pages += len(job.host_pages)
                     self.hi.backup_done(job)

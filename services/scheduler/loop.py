@@ -219,7 +219,16 @@ class SchedulerLoop:
                 await _first(self._ready.wait(), stop.wait())
                 continue
             batcher, link = self.batcher, self.link
-            plan = batcher.plan() if len(inflight) < depth else None
+            try:
+                plan = batcher.plan() if len(inflight) < depth else None
+            except Exception as e:
+                # A bug in planning: fail what is running loudly and start clean (never let the
+                # loop die silently while the server keeps accepting requests).
+                log.exception("planning a step failed")
+                failed = list(batcher.running) + [r for p, _ in inflight for r in p.reqs]
+                inflight.clear()
+                self._fail_step(failed, f"internal error while planning a step: {e!r}")
+                continue
             if plan is None and not inflight:
                 if self.cfg.check_invariants and batcher.idle:
                     batcher.mem.check_idle_invariant()

@@ -168,6 +168,11 @@ class HiRadixCache(PrefixCache):
         return self._t.host_protected + self._job_pages
 
     @property
+    def outbox_jobs(self) -> int:
+        """Jobs made (by evictions) that `take_jobs` has not handed out yet."""
+        return len(self._outbox)
+
+    @property
     def queued_writes(self) -> int:
         """Nodes whose backup or put the write policy wants and `take_jobs` has not issued yet."""
         return len(self._t.want_backup) + len(self._t.want_put)
