@@ -13,7 +13,7 @@ PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := strata/.generated
 PORT ?= 50051
 
-.PHONY: run test test-all soak bench bench-hybrid bench-elastic bench-kvstore bench-hicache lint protos install system-deps models clean
+.PHONY: run test test-all soak bench bench-hybrid bench-elastic bench-kvstore bench-hicache soak-hicache lint protos install system-deps models clean
 
 run: install models
 	$(BIN)/strata up --model $(TINY) --port $(PORT)
@@ -52,6 +52,11 @@ $(BENCH_NEXT)/config.json: | install
 # against a memcpy of the same bytes (~20 s); writes docs/bench/kvstore.json and prints the table.
 bench-kvstore: install
 	$(BIN)/python -m services.bench.kvstore_bw
+
+# The hierarchical-cache soak at full size (24 clients x 12 rounds x 2,048-token requests, L3 on,
+# repeated; ~6 min): RSS of every service and the kvstore's bytes vs its cap; writes docs/bench/hicache_soak.json.
+soak-hicache: install models
+	$(BIN)/python -m services.bench.hicache_soak --model $(TINY) --out docs/bench/hicache_soak.json
 
 # TTFT of a long prompt recomputed vs from the device, the host pool and L3 (a kvstore process) at
 # 1k/2k/4k tokens (~1 min on 2 cores); writes docs/bench/hicache.json and prints the table of docs/benchmarks.md.
