@@ -134,8 +134,8 @@ class Batcher:
         # Pool resizes first (later ops and inputs may use a grown pool), then forks planned in
         # earlier steps, before this step's forward moves the states; host loads before the
         # forward that reads them.
-        ops = self.resize_ops + (self.pending_ops if hy is None else hy.take_ops(hy.take_head()) + self.pending_ops)
-        ops = ops[: len(self.resize_ops)] + host_ops + ops[len(self.resize_ops) :]
+        mamba_ops = [] if hy is None else hy.take_ops(hy.take_head())
+        ops = self.resize_ops + host_ops + mamba_ops + self.pending_ops
         self.resize_ops = []
         step = StepRequest(self.step_id, ops=ops, reqs=[])
         self.pending_ops = []

@@ -20,9 +20,10 @@ acknowledgements back into tree calls:
   puts and prefetches are bounded by ``max_inflight_jobs`` (back-pressure: further writes wait on
   their nodes, further prefetches are skipped).
 
-Every job is acknowledged exactly once (the tree raises on a second ack); a result for a job that
-was never sent is a bug and raises. Invariants when idle: device ``free + evictable + protected ==
-size`` and host ``available + host_evictable + host_protected == host pages``.
+Every job is acknowledged exactly once (the tree raises on a second ack); the worker's results for
+loads are ignored, since loads are acknowledged when planned. Invariants when idle: device
+``free + evictable + protected == size`` and host ``available + host_evictable + host_protected ==
+host pages``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from typing import Literal
 
 from services.common.page_hash import HashNamespace
 from services.common.step import CacheOp, HostBackup, HostLoad, JobResult, L3Get, L3Put
-from services.scheduler.cache.base import CacheKey
 from services.scheduler.cache.hiradix import HiRadixCache
 from services.scheduler.cache.hiradix_policy import PrefetchTracker, StopPolicy, WritePolicy, should_prefetch
 from services.scheduler.cache.hiradix_types import BackupJob, HiMatch, PutJob
@@ -99,16 +99,12 @@ class HiMemory(KVMemory):
         self.counters = HiCounters()
 
     # -- admission -------------------------------------------------------------------------------
-    def _key(self, req: Req) -> CacheKey:
-        seq = req.seq
-        return CacheKey(seq[: len(seq) - 1], req.cache_salt)  # the last token must be computed
-
     def prefix_len(self, req: Req) -> int:
         """Tokens usable now without a recompute (device + host), without counting a hit."""
-        return self.hi.match(self._key(req), touch=False).local_len
+        return self.hi.match(self.match_key(req), touch=False).local_len
 
     def match(self, req: Req) -> int:
-        key = self._key(req)
+        key = self.match_key(req)
         m = self.hi.match(key)
         n = len(m.slots)
         if n:
@@ -157,7 +153,7 @@ class HiMemory(KVMemory):
         hi = self.hi
         if not hi.l3_enabled or req.l3_pages <= 0:
             return None
-        key = self._key(req)
+        key = self.match_key(req)
         m = hi.match(key, touch=False)
         if not should_prefetch(req.l3_pages, m.local_len // hi.page_size, self.cfg.prefetch_threshold):
             return None

@@ -80,8 +80,7 @@ class HybridMemory(KVMemory):
         if self.mcache is None:
             req.matched_state, req.branch_len = None, 0
             return 0
-        seq = req.seq
-        m = self.mcache.match(CacheKey(seq[: len(seq) - 1], req.cache_salt))
+        m = self.mcache.match(self.match_key(req))
         n = len(m.slots)
         req.branch_len = m.kv_len
         req.matched_state = m.mamba_slot

@@ -52,11 +52,17 @@ class KVMemory:
         return self.slots.size + self.slots.shrink_pending
 
     # -- matching and locking -------------------------------------------------------------------
+    @staticmethod
+    def match_key(req: Req) -> CacheKey:
+        """What a request may match: all of ``req.seq`` but the last token, which must be computed
+        (its logits are needed)."""
+        seq = req.seq
+        return CacheKey(seq[: len(seq) - 1], req.cache_salt)
+
     def match(self, req: Req) -> int:
         """Lock the longest cached prefix of ``req.seq`` (leaving at least one token to compute,
         since the last one must produce logits) and adopt its slots. Returns the matched length."""
-        seq = req.seq
-        m = self.cache.match_prefix(CacheKey(seq[: len(seq) - 1], req.cache_salt))
+        m = self.cache.match_prefix(self.match_key(req))
         n = len(m.slots)
         req.planned_len = n
         if n:
@@ -68,8 +74,7 @@ class KVMemory:
 
     def prefix_len(self, req: Req) -> int:
         """How much of ``req.seq`` is cached now (no locking; for longest-prefix-first ordering)."""
-        seq = req.seq
-        return len(self.cache.match_prefix(CacheKey(seq[: len(seq) - 1], req.cache_salt)).slots)
+        return len(self.cache.match_prefix(self.match_key(req)).slots)
 
     def extend(self, req: Req, n: int) -> bool:
         """Give ``req`` slots for its next ``n`` tokens: the rest of its last page first, then new
