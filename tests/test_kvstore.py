@@ -123,6 +123,9 @@ def test_exists_counts_leading_keys_only(make_backend: Callable[..., Backend]) -
     assert b.exists_prefix([b"c", b"a"]) == 0
     assert b.exists_prefix([b"a", b"b", b"d"]) == 3
     assert b.exists_prefix([]) == 0
+    assert b.present([b"a", b"c", b"d", b"b", b"a"]) == [True, False, True, True, True]
+    assert b.present([]) == []
+    assert b.stats().hits == b.stats().misses == 0  # probes are not reads
 
 
 def test_delete_ignores_missing(make_backend: Callable[..., Backend]) -> None:

@@ -116,6 +116,10 @@ def test_exists_counts_the_prefix_across_shards_after_deletes() -> None:
             assert await store.exists(keys) == 77
             assert await store.exists(keys[:77]) == 77
             assert await store.exists(keys[78:]) == 42
+            # Each key's presence, across shards and in request order, gaps included.
+            probe = [keys[80], b"gap".ljust(32, b"."), keys[77], keys[3], keys[119]]
+            assert await store.present(probe) == [True, False, False, True, True]
+            assert await store.present([]) == []
 
     run(body)
 
@@ -138,6 +142,7 @@ def test_a_stopped_shard_reads_as_misses_and_is_logged_once(caplog: pytest.LogCa
                 assert await store.exists(keys) == lost[0]
                 survivors = [k for k in keys if owner[k] != dead.address]
                 assert await store.exists(survivors) == len(survivors)
+                assert await store.present(keys) == [i not in lost for i in range(len(keys))]
                 new = [(k, data_of(k)) for k in keys_(60, "new")]
                 r = await store.put(new)
                 skipped = sum(store.shard_of(k) == dead.address for k, _ in new)

@@ -112,8 +112,13 @@ class Backend(ABC):
         """The data of each key in order, None where missing; counts hits and misses."""
 
     @abstractmethod
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is stored (does not refresh recency or count hits)."""
+
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
         """How many keys, from the first, are present without a gap (0..len(keys))."""
+        flags = self.present(keys)
+        return next((i for i, f in enumerate(flags) if not f), len(flags))
 
     @abstractmethod
     def delete_many(self, keys: Sequence[bytes]) -> int:
@@ -166,12 +171,9 @@ class MemoryBackend(Backend):
                 out.append(value)
         return out
 
-    def exists_prefix(self, keys: Sequence[bytes]) -> int:
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
-            for i, key in enumerate(keys):
-                if key not in self._pages:
-                    return i
-        return len(keys)
+            return [key in self._pages for key in keys]
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         removed = 0
@@ -342,12 +344,9 @@ class FileBackend(Backend):
             out.append(value)
         return out
 
-    def exists_prefix(self, keys: Sequence[bytes]) -> int:
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
-            for i, key in enumerate(keys):
-                if key not in self._index:
-                    return i
-        return len(keys)
+            return [key in self._index for key in keys]
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         removed = 0

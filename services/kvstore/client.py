@@ -116,6 +116,16 @@ class KVStoreClient:
             raise _translate(e, self.address) from e
         return response.count
 
+    async def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is stored."""
+        try:
+            response = await self._stub.Exists(pb.ExistsRequest(keys=keys, each=True), timeout=self._timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise _translate(e, self.address) from e
+        if len(response.present) != len(keys):
+            raise KVStoreError(grpc.StatusCode.INTERNAL, f"asked about {len(keys)} keys, got {len(response.present)}")
+        return list(response.present)
+
     async def delete(self, keys: Sequence[bytes]) -> int:
         """Remove pages (missing keys are ignored); returns how many were removed."""
         try:

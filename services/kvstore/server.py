@@ -107,7 +107,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     async def Exists(self, request: pb.ExistsRequest, context: Any) -> pb.ExistsResponse:
         check_keys(request.keys)
-        return pb.ExistsResponse(count=await self._call(self.backend.exists_prefix, list(request.keys)))
+        flags = await self._call(self.backend.present, list(request.keys))
+        count = next((i for i, f in enumerate(flags) if not f), len(flags))
+        return pb.ExistsResponse(count=count, present=flags if request.each else [])
 
     async def Delete(self, request: pb.DeleteRequest, context: Any) -> pb.DeleteResponse:
         check_keys(request.keys)

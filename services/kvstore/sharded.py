@@ -203,6 +203,20 @@ class ShardedKVStore:
                 prefix = min(prefix, idx[c])
         return prefix
 
+    async def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is stored (a down shard's keys are absent). One Exists per shard."""
+        groups = self._group(keys)
+
+        async def one(address: str, idx: list[int]) -> list[bool]:
+            return await self._client(address).present([keys[i] for i in idx])
+
+        out = [False] * len(keys)
+        for (_, idx), flags in zip(groups.items(), await self._fan_out(groups, one), strict=True):
+            if flags is not None:
+                for i, f in zip(idx, flags, strict=True):
+                    out[i] = f
+        return out
+
     async def close(self) -> None:
         for task in list(self._retiring):
             task.cancel()
