@@ -1,5 +1,7 @@
 """``PoolResize`` over the wire: the codec round-trips the op, the acknowledgement and the new
-``WorkerInfo`` fields, and over real gRPC a bad resize is ``INVALID_ARGUMENT`` with pools intact."""
+``WorkerInfo`` fields, and over real gRPC a bad resize is ``INVALID_ARGUMENT`` with pools intact.
+The codec also round-trips the hierarchical-cache ops (KV and Mamba-state ones), their job
+acknowledgements and the host-pool fields of ``WorkerInfo``."""
 
 from __future__ import annotations
 
@@ -12,7 +14,23 @@ import pytest
 
 from services.common import step_codec
 from services.common.server import Server
-from services.common.step import MambaCopy, PoolResize, ReleaseRow, ReqInput, StepRequest, StepResult
+from services.common.step import (
+    CacheOp,
+    HostBackup,
+    HostLoad,
+    JobResult,
+    L3Get,
+    L3Put,
+    MambaCopy,
+    PoolResize,
+    ReleaseRow,
+    ReqInput,
+    StateBackup,
+    StateLoad,
+    StepRequest,
+    StepResult,
+    WorkerInfo,
+)
 from services.worker.engine import Engine, EngineConfig
 from services.worker.server import WorkerServicer
 from strata.worker.v1 import worker_pb2 as wpb
@@ -32,6 +50,34 @@ def test_codec_round_trips_resize_ack_and_info(engine: Engine) -> None:
     assert step_codec.result_from_pb(step_codec.result_to_pb(result)) == result
     info = dataclasses.replace(engine.info, max_mamba_slots=48, mamba_slot_granularity=8, elastic=False)
     assert step_codec.info_from_pb(step_codec.info_to_pb(info)) == info
+
+
+def test_codec_round_trips_host_and_state_ops_and_info() -> None:
+    key = bytes(range(32))
+    ops: list[CacheOp] = [
+        HostBackup(1, (0, 1, 2, 3), (5,)),
+        HostLoad(2, (5,), (8, 9, 10, 11)),
+        StateBackup(3, (7, 0), (2, 1 << 20)),
+        StateLoad(4, (1 << 20,), (3,)),
+        StateBackup(5, (), ()),
+        L3Put(6, (5,), (key,)),
+        L3Put(7, (2,), (key,), states=True),
+        L3Get(8, (key,), (4,)),
+        L3Get(9, (key, key[::-1]), (1, 0), states=True),
+    ]
+    step = StepRequest(8, ops)
+    assert step_codec.step_from_pb(step_codec.step_to_pb(step)) == step
+    assert step_codec.step_to_pb(step).ops[6].l3_put.states  # a states put stays one on the wire
+    result = StepResult(8, ops_done=len(ops), jobs=[JobResult(j, j % 2 == 0, j) for j in range(1, 10)])
+    assert step_codec.result_from_pb(step_codec.result_to_pb(result)) == result
+    info = WorkerInfo(
+        "m", "Qwen3NextForCausalLM", "ab", 768, 2048, (2,), 100, 64, 1, 4, 12, 11264, "float32", True, "cpu",
+        100, 12, 1, 4, 4096, False, host_pages=9, host_page_tokens=64, kv_layout="page-first/x/tp0of1", l3=True,
+        host_states=23, state_layout="state-first/L2/conv128x3:float32/ssm4x16x16:float32/tp0of1",
+    )
+    assert step_codec.info_from_pb(step_codec.info_to_pb(info)) == info
+    dense = dataclasses.replace(info, host_states=0, state_layout="")
+    assert step_codec.info_from_pb(step_codec.info_to_pb(dense)) == dense
 
 
 def test_resize_over_grpc_acknowledged_and_bad_ones_refused(engine: Engine) -> None:

@@ -97,29 +97,61 @@ class HostLoad:
 
 
 @dataclass(frozen=True, slots=True)
+class StateBackup:
+    """Copy device Mamba state slots into host state slots (hybrid models): ``host_states[j]`` ←
+    ``slots[j]``, every linear-attention layer's conv and recurrent state, bit for bit. Runs in op
+    order (it reads the Mamba pool as the ops before it left it, e.g. after a ``MambaCopy``) and
+    finishes before this step's forward. Host state layout: ``WorkerInfo.state_layout``."""
+
+    job_id: int
+    slots: tuple[int, ...]  # device Mamba slots (read), each in [0, num_mamba_slots)
+    host_states: tuple[int, ...]  # host state slots (written), same length, distinct
+
+
+@dataclass(frozen=True, slots=True)
+class StateLoad:
+    """Copy host state slots into device Mamba slots (``StateBackup`` reversed): ``slots[j]`` ←
+    ``host_states[j]``, in op order, before this step's forward (which may run from them)."""
+
+    job_id: int
+    host_states: tuple[int, ...]  # host state slots (read)
+    slots: tuple[int, ...]  # device Mamba slots (written), same length, distinct
+
+
+@dataclass(frozen=True, slots=True)
 class L3Put:
     """Write host pages to the kvstore (L3): ``host_pages[j]`` under ``keys[j]``. Starts in op
     order and overlaps the forward; acknowledged in this step's ``StepResult.jobs``. The scheduler
-    keeps the pages unchanged until then."""
+    keeps the pages unchanged until then (their bytes are in fact copied when the op runs).
+
+    ``states=True``: ``host_pages`` index host *state* slots and each value is one whole host state
+    (``WorkerInfo.state_layout``); ``JobResult.pages`` then counts states."""
 
     job_id: int
     host_pages: tuple[int, ...]
     keys: tuple[bytes, ...]
+    states: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class L3Get:
     """Read ``keys`` from the kvstore into ``host_pages`` (same order), stopping at the first
-    missing key; ``JobResult.pages`` says how many leading pages were written. Overlaps the
-    forward; nothing in this step may read those pages."""
+    missing key (or value of the wrong size); ``JobResult.pages`` says how many leading pages were
+    written. Overlaps the forward; nothing in this step may read those pages.
+
+    ``states=True``: ``host_pages`` index host *state* slots, each value is one whole host state,
+    and ``JobResult.pages`` counts the leading states written."""
 
     job_id: int
     keys: tuple[bytes, ...]
     host_pages: tuple[int, ...]
+    states: bool = False
 
 
-CacheOp = MambaCopy | MambaReset | ReleaseRow | PoolResize | HostBackup | HostLoad | L3Put | L3Get
-HostOp = HostBackup | HostLoad | L3Put | L3Get
+CacheOp = (
+    MambaCopy | MambaReset | ReleaseRow | PoolResize | HostBackup | HostLoad | StateBackup | StateLoad | L3Put | L3Get
+)
+HostOp = HostBackup | HostLoad | StateBackup | StateLoad | L3Put | L3Get
 
 
 @dataclass(slots=True)
@@ -194,7 +226,8 @@ class ReqOutput:
 @dataclass(frozen=True, slots=True)
 class JobResult:
     """The acknowledgement of one host or L3 op: ``ok`` and the pages it moved (``L3Get``: the
-    leading pages written; ``L3Put``: pages the store accepted, ``ok`` only when all were)."""
+    leading pages written; ``L3Put``: pages the store accepted, ``ok`` only when all were). For
+    ``StateBackup`` / ``StateLoad`` and the ``states=True`` L3 ops, ``pages`` counts states."""
 
     job_id: int
     ok: bool
@@ -256,3 +289,5 @@ class WorkerInfo:
     host_page_tokens: int = 0  # tokens per host page (a multiple of page_size)
     kv_layout: str = ""  # names a host page's bytes (for L3 keys); empty without a host pool
     l3: bool = False  # the worker reaches the kvstore shards (L3Put / L3Get work)
+    host_states: int = 0  # host state slots for Mamba states (hybrid models); 0 = none
+    state_layout: str = ""  # names a host state's bytes (for L3 keys of states); empty without them

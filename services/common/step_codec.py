@@ -20,6 +20,8 @@ from services.common.step import (
     ReqInput,
     ReqOutput,
     SamplingParams,
+    StateBackup,
+    StateLoad,
     StepRequest,
     StepResult,
     TokenLogprob,
@@ -77,10 +79,20 @@ def _op_to_pb(op: CacheOp) -> wpb.CacheOp:
         return wpb.CacheOp(host_backup=wpb.HostBackup(job_id=op.job_id, slots=op.slots, host_pages=op.host_pages))
     if isinstance(op, HostLoad):
         return wpb.CacheOp(host_load=wpb.HostLoad(job_id=op.job_id, host_pages=op.host_pages, slots=op.slots))
+    if isinstance(op, StateBackup):
+        return wpb.CacheOp(
+            state_backup=wpb.StateBackup(job_id=op.job_id, slots=op.slots, host_states=op.host_states)
+        )
+    if isinstance(op, StateLoad):
+        return wpb.CacheOp(state_load=wpb.StateLoad(job_id=op.job_id, host_states=op.host_states, slots=op.slots))
     if isinstance(op, L3Put):
-        return wpb.CacheOp(l3_put=wpb.L3Put(job_id=op.job_id, host_pages=op.host_pages, keys=op.keys))
+        return wpb.CacheOp(
+            l3_put=wpb.L3Put(job_id=op.job_id, host_pages=op.host_pages, keys=op.keys, states=op.states)
+        )
     if isinstance(op, L3Get):
-        return wpb.CacheOp(l3_get=wpb.L3Get(job_id=op.job_id, keys=op.keys, host_pages=op.host_pages))
+        return wpb.CacheOp(
+            l3_get=wpb.L3Get(job_id=op.job_id, keys=op.keys, host_pages=op.host_pages, states=op.states)
+        )
     return wpb.CacheOp(release_row=wpb.ReleaseRow(row=op.row))
 
 
@@ -100,10 +112,18 @@ def _op_from_pb(m: wpb.CacheOp) -> CacheOp:
     if kind == "host_load":
         ld = m.host_load
         return HostLoad(ld.job_id, tuple(ld.host_pages), tuple(ld.slots))
+    if kind == "state_backup":
+        sb = m.state_backup
+        return StateBackup(sb.job_id, tuple(sb.slots), tuple(sb.host_states))
+    if kind == "state_load":
+        sl = m.state_load
+        return StateLoad(sl.job_id, tuple(sl.host_states), tuple(sl.slots))
     if kind == "l3_put":
-        return L3Put(m.l3_put.job_id, tuple(m.l3_put.host_pages), tuple(m.l3_put.keys))
+        put = m.l3_put
+        return L3Put(put.job_id, tuple(put.host_pages), tuple(put.keys), put.states)
     if kind == "l3_get":
-        return L3Get(m.l3_get.job_id, tuple(m.l3_get.keys), tuple(m.l3_get.host_pages))
+        get = m.l3_get
+        return L3Get(get.job_id, tuple(get.keys), tuple(get.host_pages), get.states)
     raise ValueError(f"cache op with no operation set ({kind!r})")
 
 
@@ -243,6 +263,8 @@ def info_to_pb(i: WorkerInfo) -> wpb.WorkerInfo:
         host_page_tokens=i.host_page_tokens,
         kv_layout=i.kv_layout,
         l3=i.l3,
+        host_states=i.host_states,
+        state_layout=i.state_layout,
     )
 
 
@@ -273,4 +295,6 @@ def info_from_pb(m: wpb.WorkerInfo) -> WorkerInfo:
         host_page_tokens=m.host_page_tokens,
         kv_layout=m.kv_layout,
         l3=m.l3,
+        host_states=m.host_states,
+        state_layout=m.state_layout,
     )

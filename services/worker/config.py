@@ -35,6 +35,9 @@ class WorkerConfig:
         "hierarchical cache: bytes of host memory for KV pages evicted from the device; 0 = off"))
     host_page_tokens: int = field(default=64, metadata=_h(
         "hierarchical cache: tokens per host / kvstore page (a multiple of page_size)"))
+    host_state_share: float = field(default=0.25, metadata=_h(
+        "hierarchical cache, hybrid models: share of host_cache_bytes for Mamba states (the rest holds KV "
+        "pages); in (0, 1)"))
     l3: bool = field(default=False, metadata=_h(
         "hierarchical cache: put and get pages on the kvstore shards found through etcd"))
     metrics_port: int = field(default=-1, metadata=_h("Prometheus port; -1 = off, 0 = pick"))
@@ -60,5 +63,7 @@ class WorkerConfig:
             raise ConfigError("host_cache_bytes: must be >= 0 (0 = no host pool)")
         if self.host_page_tokens < 1 or self.host_page_tokens % self.page_size:
             raise ConfigError(f"host_page_tokens: must be a positive multiple of page_size ({self.page_size})")
+        if not 0.0 < self.host_state_share < 1.0:
+            raise ConfigError(f"host_state_share: must be > 0 and < 1, got {self.host_state_share}")
         if self.l3 and not (self.etcd and self.host_cache_bytes):
             raise ConfigError("l3: needs --etcd (to find the kvstore shards) and --host-cache-bytes > 0")

@@ -5,8 +5,9 @@ A step runs in four stages, and nothing is mutated until the first one has passe
 1. **validate** every op and request (``StepError`` naming the request and field otherwise);
 2. **ops** in order: ``MambaCopy``, ``MambaReset``, ``ReleaseRow``, ``PoolResize`` (commits or
    releases pool memory; the pools' tensors never move, so the forward sees the same buffers),
-   ``HostBackup`` / ``HostLoad`` (device ↔ host pool) and ``L3Put`` / ``L3Get`` (host pool ↔
-   kvstore, started here and finished after sampling; see ``host_ops``);
+   ``HostBackup`` / ``HostLoad`` (device ↔ host pool), ``StateBackup`` / ``StateLoad`` (device
+   Mamba pool ↔ host state pool, hybrid models) and ``L3Put`` / ``L3Get`` (host pools ↔ kvstore,
+   started here and finished after sampling; see ``host_ops``);
 3. **forward** over all requests at once (prefill chunks with or without a cached prefix and
    decodes mixed): ``prefix_slots`` and ``new_slots`` are written into each request's row of
    ``req_to_token``, then the model stores the new KV and returns logits;
@@ -40,6 +41,8 @@ from services.common.step import (
     ReleaseRow,
     ReqInput,
     ReqOutput,
+    StateBackup,
+    StateLoad,
     StepError,
     StepRequest,
     StepResult,
@@ -49,6 +52,7 @@ from services.worker.batch import BatchEntry, ForwardBatch, ForwardContext
 from services.worker.engine_config import DTYPES, EngineConfig
 from services.worker.host_cache import HostPool
 from services.worker.host_ops import HostTier, L3Port
+from services.worker.host_states import HostStatePool
 from services.worker.loader import fingerprint, load_model
 from services.worker.models.registry import CausalLM
 from services.worker.pool_backing import choose_backing
@@ -98,18 +102,11 @@ class Engine:
 
             self.mamba = Pool(cfg.initial_mamba_slots, spec, device, max_slots=mamba_max or None, backing=backing)
         self.host: HostTier | None = None
-        if cfg.host_cache_bytes and self.mamba is not None:
-            log.warning("no host pool for a hybrid model yet (its Mamba states have no host tier): "
-                        "host_cache_bytes ignored")
-            l3 = None
-        elif cfg.host_cache_bytes:
-            pool = HostPool.from_budget(
-                cfg.host_cache_bytes, cfg.host_page_tokens, model.num_kv_layers, model.num_kv_heads,
-                model.head_dim, dtype, pin_memory=device.type == "cuda",
-            )
-            self.host = HostTier(pool, l3)
+        if cfg.host_cache_bytes:
+            self.host = _host_tier(cfg, model, self.mamba, dtype, device, l3)
         elif l3 is not None:
             raise ValueError("an L3 connection needs a host pool (host_cache_bytes > 0)")
+        host_states = self.host.states if self.host else None
         self.info = WorkerInfo(
             model=model_dir.resolve().name,
             architecture=loaded.architecture,
@@ -136,6 +133,8 @@ class Engine:
             host_page_tokens=cfg.host_page_tokens if self.host else 0,
             kv_layout=f"{self.host.pool.layout}/tp0of1" if self.host else "",
             l3=self.host is not None and self.host.l3 is not None,
+            host_states=host_states.num_states if host_states else 0,
+            state_layout=f"{host_states.layout}/tp0of1" if host_states else "",
         )
         self._ctx = ForwardContext(self.kv, self.req_to_token.table, self.mamba)
         self._last_sample: dict[int, int] = {}
@@ -241,6 +240,7 @@ class Engine:
                 host_pages=self.info.host_pages,
                 host_page_tokens=self.info.host_page_tokens,
                 l3=self.info.l3,
+                host_states=self.info.host_states,
             )
         except StepError:
             raise
@@ -264,9 +264,9 @@ class Engine:
                 self._last_sample.pop(op.row, None)
                 self._row_len.pop(op.row, None)
                 self._history.pop(op.row, None)
-            elif isinstance(op, HostBackup | HostLoad | L3Put | L3Get):
+            elif isinstance(op, HostBackup | HostLoad | StateBackup | StateLoad | L3Put | L3Get):
                 assert self.host is not None  # validated
-                self.host.run(op, self.kv)
+                self.host.run(op, self.kv, self.mamba)
 
     def _resize(self, op: PoolResize) -> None:
         """The shrinking pool first, so that memory held never peaks above max(before, after)."""
@@ -325,6 +325,33 @@ class Engine:
             logprob = pick if r.return_logprobs else None
             outputs.append(ReqOutput(r.request_id, r.row, pick.token_id, logprob))
         return outputs
+
+
+def _host_tier(
+    cfg: EngineConfig, model: CausalLM, mamba: MambaPool | None, dtype: torch.dtype, device: torch.device,
+    l3: L3Port | None,
+) -> HostTier:
+    """The host pools for ``cfg.host_cache_bytes``: all KV pages on a dense model; on a hybrid one
+    ``host_state_share`` of the bytes for Mamba states (a state-first ``HostStatePool``) and the
+    rest for KV pages."""
+    pin = device.type == "cuda"
+    total = cfg.host_cache_bytes
+    state_bytes = int(total * cfg.host_state_share) if mamba is not None else 0
+    try:
+        pool = HostPool.from_budget(
+            total - state_bytes, cfg.host_page_tokens, model.num_kv_layers, model.num_kv_heads, model.head_dim,
+            dtype, pin_memory=pin,
+        )
+        states = HostStatePool.from_budget(state_bytes, mamba.spec, pin_memory=pin) if mamba is not None else None
+    except ValueError as e:
+        if mamba is None:
+            raise
+        raise ValueError(
+            f"host_cache_bytes={total} with host_state_share={cfg.host_state_share} gives {total - state_bytes} "
+            f"bytes to KV pages and {state_bytes} to Mamba states: {e}; raise host_cache_bytes or move "
+            "host_state_share"
+        ) from e
+    return HostTier(pool, l3, states=states)
 
 
 def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

@@ -32,7 +32,9 @@ class EngineConfig:
     to the starting sizes.
 
     Hierarchical cache: ``host_cache_bytes`` sizes the host (L2) pool in pages of
-    ``host_page_tokens`` tokens (0 = no host pool).
+    ``host_page_tokens`` tokens (0 = no host pool). On a hybrid model ``host_state_share`` of it
+    holds Mamba states (a ``HostStatePool``) and the rest KV pages; dense models use all of it
+    for pages.
     """
 
     device: str = "cpu"
@@ -46,6 +48,7 @@ class EngineConfig:
     mamba_max_slots: int = 0
     host_cache_bytes: int = 0
     host_page_tokens: int = 64
+    host_state_share: float = 0.25
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -62,6 +65,11 @@ class EngineConfig:
         if self.host_page_tokens < 1 or self.host_page_tokens % self.page_size:
             raise ValueError(f"EngineConfig.host_page_tokens must be a positive multiple of page_size "
                              f"({self.page_size}), got {self.host_page_tokens}")
+        if not 0.0 < self.host_state_share < 1.0:
+            raise ValueError(
+                "EngineConfig.host_state_share (the share of host_cache_bytes for Mamba states on hybrid "
+                f"models) must be > 0 and < 1, got {self.host_state_share}"
+            )
         if self.mamba_slots < 0:
             raise ValueError(f"EngineConfig.mamba_slots must be >= 0, got {self.mamba_slots}")
         if self.kv_max_bytes and self.kv_max_bytes < self.kv_cache_bytes:

@@ -119,6 +119,7 @@ def engine_config(cfg: WorkerConfig) -> EngineConfig:
         mamba_max_slots=cfg.mamba_max_slots,
         host_cache_bytes=cfg.host_cache_bytes,
         host_page_tokens=cfg.host_page_tokens,
+        host_state_share=cfg.host_state_share,
     )
 
 
@@ -153,8 +154,8 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
         )
         registration = Registration(cfg.etcd, record, ttl_s=cfg.lease_ttl_s)
         await registration.start()
-    log.info("worker serving %s on %s (%d slots, %d rows, %d host pages, L3 %s)", name, address,
-             info.num_slots, info.num_rows, info.host_pages, "on" if info.l3 else "off")
+    log.info("worker serving %s on %s (%d slots, %d rows, %d host pages, %d host states, L3 %s)", name, address,
+             info.num_slots, info.num_rows, info.host_pages, info.host_states, "on" if info.l3 else "off")
     print(f"READY worker {address}", flush=True)
     await stop.wait()
     if registration is not None:

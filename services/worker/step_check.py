@@ -25,6 +25,8 @@ from services.common.step import (
     PoolResize,
     ReleaseRow,
     ReqInput,
+    StateBackup,
+    StateLoad,
     StepError,
     StepRequest,
 )
@@ -51,6 +53,7 @@ def check_step(
     host_pages: int = 0,
     host_page_tokens: int = 0,
     l3: bool = False,
+    host_states: int = 0,
 ) -> list[torch.Tensor | None]:
     """Raise ``StepError`` for the first problem found; return one bitmask (or ``None``) per request.
 
@@ -59,7 +62,8 @@ def check_step(
     ``max_mamba_slots == 0`` means a dense model: Mamba ops and ``mamba_slot`` are refused.
     ``rows_with_sample`` / ``row_len``: rows holding a previous sample / how many positions each
     row holds, before this step's ops. ``host_pages`` / ``host_page_tokens`` / ``l3``: the host
-    pool (0 pages = none) and whether the kvstore is reachable, for the hierarchical-cache ops.
+    pool (0 pages = none) and whether the kvstore is reachable, for the hierarchical-cache ops;
+    ``host_states``: the host state pool of a hybrid model (0 = none), for the state ops.
     """
     sampled = set(rows_with_sample)
     lengths = dict(row_len)
@@ -80,9 +84,10 @@ def check_step(
             _in_range(op.row, num_rows, f"{where}.row")
             sampled.discard(op.row)
             lengths.pop(op.row, None)
-        elif isinstance(op, HostBackup | HostLoad | L3Put | L3Get):
+        elif isinstance(op, HostBackup | HostLoad | StateBackup | StateLoad | L3Put | L3Get):
             check_host_op(
-                op, where, num_slots=num_slots, host_pages=host_pages, page_tokens=host_page_tokens, l3=l3
+                op, where, num_slots=num_slots, host_pages=host_pages, page_tokens=host_page_tokens, l3=l3,
+                num_mamba_slots=num_mamba_slots, host_states=host_states,
             )
         else:
             raise StepError(f"{where}: unknown op type")
