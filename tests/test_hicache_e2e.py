@@ -109,6 +109,35 @@ def test_pages_survive_kvstore_restart_and_serve_a_restarted_worker(tiny_qwen3: 
             assert kv_stats(address).hits - hits == pages
 
 
+def test_a_hybrid_prefix_and_its_state_come_back_from_l3_after_a_worker_restart(
+    tiny_qwen3_next: Path, tmp_path: Path
+) -> None:
+    """Qwen3-Next: the pages *and* the Mamba state at the prompt's last whole page reach L3
+    (write_through); a restarted worker, with nothing on its device or host, serves the prompt
+    again from them: the state is usable, so every whole page counts as cached."""
+    rng = random.Random(8)
+    with hicache_stack(tiny_qwen3_next, tmp_path / "run") as stack:
+        info = worker_info(stack)
+        assert info.hybrid and info.host_states > 0 and info.state_layout
+        prompt = random_ids(rng, 300, info.vocab_size)  # a checkpoint at 256 tokens (4 pages)
+        pages = len(prompt) // PAGE_TOKENS
+        want = hf_greedy(tiny_qwen3_next, prompt, OUT, stop_at_eos=False)
+        with grpc.insecure_channel(stack.child("tokenizer").address) as ch:
+            api = pgrpc.StrataStub(ch)
+            first = generate(api, prompt, OUT)
+            assert first.ids == want and first.cached_tokens == 0
+            kv = stack.child("kvstore")
+            wait_l3_pages([kv.address], [prompt], info)  # usable pages: each with the state after the last
+
+            restart_worker(stack)
+            generate(api, random_ids(rng, PAGE_TOKENS + 6, info.vocab_size), 1)
+            hits = kv_stats(kv.address).hits
+            again = generate(api, prompt, OUT)
+            assert again.ids == want
+            assert again.cached_tokens == pages * PAGE_TOKENS
+            assert kv_stats(kv.address).hits - hits == pages + 1  # the pages and one state
+
+
 # -- 2. a shard killed mid-run -------------------------------------------------------------------
 
 CONVERSATIONS, TURNS = 6, 3

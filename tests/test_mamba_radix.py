@@ -97,6 +97,18 @@ def test_acceptance_scenario() -> None:
     env.check()
 
 
+def test_kv_path_follows_tombstones_and_edges() -> None:
+    env = Env()
+    _, s123, _ = env.put([1, 2, 3])
+    _, s1_7, _ = env.put([1, 2, 3, 4, 5, 6, 7])
+    assert env.cache.evict_mamba(1) == 1  # [1 2 3] becomes a tombstone
+    key = CacheKey([1, 2, 3, 4, 5, 9])
+    assert env.served(key.tokens) == 0
+    assert env.cache.kv_path(key) == s123 + s1_7[3:5]  # through the tombstone, into an edge
+    assert env.cache.kv_path(CacheKey([7])) == [] and env.cache.kv_path(CacheKey([1], "other")) == []
+    env.check()
+
+
 def test_exact_insert_revives_a_tombstone() -> None:
     env = Env()
     env.put([1, 2, 3])

@@ -10,7 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.common.page_hash import HASH_BYTES, HashNamespace, PageHashChain, extend_hashes, page_hashes
+from services.common.page_hash import (
+    HASH_BYTES,
+    HashNamespace,
+    PageHashChain,
+    extend_hashes,
+    page_hashes,
+    state_key,
+)
 
 NS = HashNamespace("fp-tiny", "page-first/L2/H1/D4/float32/P4")
 token_lists = st.lists(st.integers(0, 2**32 - 1), max_size=200)
@@ -26,6 +33,18 @@ def test_known_vector() -> None:
     h0 = hashlib.sha256(NS.seed + struct.pack("<4I", 0, 1, 2, 3)).digest()
     h1 = hashlib.sha256(h0 + struct.pack("<4I", 4, 5, 6, 7)).digest()
     assert hashes == [h0, h1]
+
+
+def test_state_keys_follow_their_page_and_layout() -> None:
+    h = page_hashes(list(range(8)), 4, NS)
+    k = state_key(h[1], "mamba/L1/f32")
+    assert len(k) == HASH_BYTES and k not in h
+    assert k == state_key(page_hashes(list(range(8)), 4, NS)[1], "mamba/L1/f32")  # deterministic
+    assert k != state_key(h[0], "mamba/L1/f32") and k != state_key(h[1], "mamba/L1/bf16")
+    with pytest.raises(ValueError, match="32 bytes"):
+        state_key(b"short", "mamba/L1/f32")
+    with pytest.raises(ValueError, match="state_layout"):
+        state_key(h[1], "")
 
 
 def test_deterministic_and_sized() -> None:

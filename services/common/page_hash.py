@@ -8,7 +8,8 @@ sequence through the end of the page, through a chain::
 
 so equal keys mean equal prefixes (up to SHA-256 collisions), a prefix's hashes are a prefix of the
 longer sequence's hashes, and page ``i``'s key is computed from ``h_{i-1}`` alone, without the
-tokens before it. A partial last page has no key: only whole pages are cached below L1.
+tokens before it. A partial last page has no key: only whole pages are cached below L1. A hybrid
+model's recurrent state after page ``i`` is keyed by ``state_key(h_i, state layout)``.
 
 The seed namespaces the chain, so KV bytes never cross into a context where they would be wrong:
 another model or weights (fingerprint), another byte layout or page size (layout), another tensor
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 
 HASH_BYTES = 32
 _VERSION = b"strata.page_hash.v1"
+_STATE = b"strata.mamba_state.v1"
 _U32_MAX = 0xFFFFFFFF
 
 if array("I").itemsize != 4:  # pragma: no cover - every platform torch supports has 4-byte uint
@@ -107,6 +109,17 @@ def extend_hashes(parent: bytes, tokens: Sequence[int], page_size: int) -> list[
         prev = h.digest()
         out.append(prev)
     return out
+
+
+def state_key(page_hash: bytes, state_layout: str) -> bytes:
+    """The L3 key of a hybrid model's recurrent (Mamba) state right after the page whose chained
+    hash is ``page_hash``: the state depends on exactly the tokens that hash covers, and its bytes
+    on ``state_layout`` (``WorkerInfo.state_layout``). Never equal to a page key."""
+    if len(page_hash) != HASH_BYTES:
+        raise ValueError(f"page hash must be {HASH_BYTES} bytes, got {len(page_hash)}")
+    if not state_layout:
+        raise ValueError("state_layout must be non-empty")
+    return hashlib.sha256(_field(_STATE) + _field(state_layout.encode()) + page_hash).digest()
 
 
 def page_hashes(tokens: Sequence[int], page_size: int, namespace: HashNamespace) -> list[bytes]:

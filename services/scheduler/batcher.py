@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from services.common.step import CacheOp, JobResult, LateMasks, ReleaseRow, ReqInput, StepRequest
 from services.scheduler.elastic_control import ElasticControl
-from services.scheduler.hi_memory import HiMemory
+from services.scheduler.hi_memory import HiMemory, TieredMemory
+from services.scheduler.hybrid_hi_memory import HybridHiMemory
 from services.scheduler.hybrid_memory import HybridMemory
 from services.scheduler.memory import KVMemory
 from services.scheduler.request import Finish, FinishEvent, Fork, Req, TokenEvent
@@ -84,8 +85,9 @@ class Batcher:
         # Hybrid models: Mamba working states, copy-on-write from cached states and checkpoint
         # forks (see hybrid_memory.py); None for dense models.
         self.hybrid: HybridMemory | None = memory if isinstance(memory, HybridMemory) else None
-        # A worker with a host pool: host loads, backups, L3 puts and prefetches (hi_memory.py).
-        self.hier: HiMemory | None = memory if isinstance(memory, HiMemory) else None
+        # A worker with a host pool: host loads, backups, L3 puts and prefetches (hi_memory.py,
+        # hybrid_hi_memory.py).
+        self.hier: TieredMemory | None = memory if isinstance(memory, HiMemory | HybridHiMemory) else None
         # Elastic pools (set by the loop when a budget is configured): resizes go first in a step.
         self.elastic: ElasticControl | None = None
         self.resize_ops: list[CacheOp] = []
@@ -126,16 +128,18 @@ class Batcher:
                 raise AssertionError("a single prefilling request cannot fit the pool")
             return self.plan()
         hy = self.hybrid
-        host_ops = self.hier.take_ops() if self.hier is not None else []
+        host_ops = self.hier.take_tier_ops() if self.hier is not None else []
         if (not inputs and not self.pending_ops and not self.resize_ops and not host_ops
                 and not (hy is not None and (hy.ops or hy.head_ops))):
             return None
         self.step_id += 1
         # Pool resizes first (later ops and inputs may use a grown pool), then forks planned in
-        # earlier steps, before this step's forward moves the states; host loads before the
-        # forward that reads them.
-        mamba_ops = [] if hy is None else hy.take_ops(hy.take_head())
-        ops = self.resize_ops + host_ops + mamba_ops + self.pending_ops
+        # earlier steps, before this step's forward moves the states; host loads and backups
+        # (after the forks whose states they may back up, before the copies from loaded states
+        # and the forward that read them); then this plan's Mamba copies and resets.
+        head = [] if hy is None else hy.take_head()
+        mamba_ops = [] if hy is None else hy.take_ops([])
+        ops = [*self.resize_ops, *head, *host_ops, *mamba_ops, *self.pending_ops]
         self.resize_ops = []
         step = StepRequest(self.step_id, ops=ops, reqs=[])
         self.pending_ops = []

@@ -15,7 +15,7 @@ acknowledgements back into tree calls:
   wait_complete: until the acknowledgement; timeout: at most ``prefetch_timeout_s``). The pages
   that arrived join the tree as host-resident, and the next admission loads them like any host hit;
 - **writes**: backups (``HostBackup``) and puts (``L3Put``) the write policy or an eviction
-  wants are sent with the next step (``take_ops``) and acknowledged from its ``StepResult.jobs``
+  wants are sent with the next step (``take_tier_ops``) and acknowledged from its ``StepResult.jobs``
   (``on_results``); until then their device slots / host pages stay pinned. In-flight backups,
   puts and prefetches are bounded by ``max_inflight_jobs`` (back-pressure: further writes wait on
   their nodes, further prefetches are skipped).
@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from services.common.page_hash import HashNamespace
 from services.common.step import CacheOp, HostBackup, HostLoad, JobResult, L3Get, L3Put
@@ -43,6 +43,27 @@ from services.scheduler.memory import KVMemory
 from services.scheduler.request import Req
 
 log = logging.getLogger(__name__)
+
+
+class TieredMemory(Protocol):
+    """What the batcher asks of a memory with host and L3 tiers (``HiMemory``, ``HybridHiMemory``)."""
+
+    def hold(self, req: Req) -> bool:
+        """Whether ``req`` should wait (for its L3 prefetch) before admission."""
+        ...
+
+    def take_tier_ops(self) -> list[CacheOp]:
+        """The host and L3 ops for the step being planned."""
+        ...
+
+    def on_results(self, results: list[JobResult]) -> None:
+        """Acknowledge the jobs of a committed step."""
+        ...
+
+    @property
+    def memory_pending(self) -> bool:
+        """Memory will come free without any request finishing (jobs in flight or queued)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +210,7 @@ class HiMemory(KVMemory):
         return bool(self._sent or self.ops or self.hi.outbox_jobs)
 
     # -- the step stream -------------------------------------------------------------------------
-    def take_ops(self) -> list[CacheOp]:
+    def take_tier_ops(self) -> list[CacheOp]:
         """Loads and prefetches planned so far, then the backups and puts the tree wants now."""
         ops, self.ops = self.ops, []
         for job in self.hi.take_jobs():

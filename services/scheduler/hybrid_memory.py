@@ -54,15 +54,22 @@ class HybridMemory(KVMemory):
         *,
         state_policy: StatePolicy = "marconi",
         checkpoint_every: int = 1024,
+        tree_page: int = 0,
     ) -> None:
+        """``tree_page``: tokens per page of the prefix tree (and checkpoint grid), a multiple of
+        ``page_size``; 0 = ``page_size``. The hierarchical cache uses its host page here."""
         super().__init__(num_slots, num_rows, page_size, "none")
+        tree_page = tree_page or page_size
+        if tree_page % page_size:
+            raise ValueError(f"tree_page ({tree_page}) must be a multiple of page_size ({page_size})")
+        self.tree_page = tree_page
         if num_states < 1 and num_rows:
             raise ValueError("no Mamba state slot: a running request needs one (fewer than rows is fine: "
                              "admission waits for a free state)")
         self.states = MambaSlotAllocator(num_states)
         self.mcache: MambaRadixCache | None = None
         if cache == "radix":
-            self.mcache = MambaRadixCache(page_size, self.slots.free, self.states.free_many, policy=state_policy)
+            self.mcache = MambaRadixCache(tree_page, self.slots.free, self.states.free_many, policy=state_policy)
             self.cache = self.mcache
         self.checkpoint_every = checkpoint_every
         self.ops: list[CacheOp] = []  # for the step being planned
@@ -111,13 +118,13 @@ class HybridMemory(KVMemory):
     def _checkpoints(self, req: Req) -> list[int]:
         branches = [req.branch_len, *req.branch_hints]
         return checkpoint_positions(
-            len(req.seq), self.checkpoint_every, self.page_size, branches, start=req.cache_len,
-            include_end=self.page_size > 1,
+            len(req.seq), self.checkpoint_every, self.tree_page, branches, start=req.cache_len,
+            include_end=self.tree_page > 1,
         )
 
     def add_branch_hint(self, req: Req, pos: int) -> None:
         """A sibling waits for ``req``'s prefix up to ``pos``: checkpoint there if still ahead."""
-        pos -= pos % self.page_size
+        pos -= pos % self.tree_page
         if self.mcache is None or pos in req.checkpoints or pos in req.branch_hints:
             return
         req.branch_hints.append(pos)
@@ -186,9 +193,15 @@ class HybridMemory(KVMemory):
         res = self.mcache.insert_checkpoint(key, req.slots[:pos], fork.slot)
         self.forks_inserted += res.mamba_taken
         self._lock_inserted(req, key, res.cached_len)
+        if res.mamba_taken:
+            self.checkpointed(key)
 
     def cache_unfinished(self, req: Req) -> None:
         """Hybrid prefixes enter the tree only with a state: at forks (``insert_fork``)."""
+
+    def checkpointed(self, key: CacheKey) -> None:
+        """A state for ``key`` just entered the tree (a fork or a donated working state). A hook
+        for the hierarchical cache, which backs such prefixes up to the host."""
 
     # -- release --------------------------------------------------------------------------------
     def cache_and_release(self, req: Req) -> None:
@@ -203,6 +216,8 @@ class HybridMemory(KVMemory):
             key = CacheKey(req.seq[:aligned], req.cache_salt)
             res = self.mcache.insert_checkpoint(key, req.slots[:aligned], own if donate else None)
             self.donated += res.mamba_taken
+            if res.mamba_taken:
+                self.checkpointed(key)
             to_free = req.slots[m : res.cached_len] + req.slots[aligned:]
         else:
             to_free = req.slots[m:]

@@ -5,7 +5,10 @@ KV layout and cache salt) and the kvstore shards are asked for the leading run o
 A slow, missing or dead store is a miss, never an error: the lookup is bounded by a short timeout.
 The keys are the hierarchical cache's (``WorkerInfo.kv_layout`` and ``host_page_tokens``): the
 figure becomes ``Req.l3_pages``, from which admission decides whether to prefetch
-(``hi_memory.HiMemory.hold``). A worker without L3 gets no lookup.
+(``hi_memory.HiMemory.hold``). A hybrid model's prefix is usable only up to a stored Mamba state,
+so for it the pages and the state keys after each page are asked together (one ``Exists`` with
+per-key answers per shard) and the hit is the deepest state with every page before it
+(``usable_pages``). A worker without L3 gets no lookup.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import logging
 
 from services.common import telemetry
 from services.common.discovery import Discovery
-from services.common.page_hash import HashNamespace, page_hashes
+from services.common.page_hash import HashNamespace, page_hashes, state_key
 from services.common.step import WorkerInfo
 from services.kvstore.sharded import ShardedKVStore
 
@@ -60,7 +63,18 @@ async def leading_pages(
     if not keys:
         return 0
     try:
-        return await asyncio.wait_for(store.exists(keys), timeout_s)
+        if not info.state_layout:
+            return await asyncio.wait_for(store.exists(keys), timeout_s)
+        skeys = [state_key(k, info.state_layout) for k in keys]
+        flags = await asyncio.wait_for(store.present(keys + skeys), timeout_s)
     except Exception as e:  # a slow or broken store is a miss
         log.debug("L3 lookup failed: %r", e)
         return 0
+    return usable_pages(flags[: len(keys)], flags[len(keys) :])
+
+
+def usable_pages(pages: list[bool], states: list[bool]) -> int:
+    """A hybrid model's L3 hit, in pages: the deepest page ``q`` with the state after it stored
+    (``states[q - 1]``) and every page up to it (0 when none)."""
+    lead = next((i for i, f in enumerate(pages) if not f), len(pages))
+    return next((q for q in range(lead, 0, -1) if states[q - 1]), 0)

@@ -25,6 +25,7 @@ from services.scheduler.batcher import Batcher, BatchLimits, Plan
 from services.scheduler.budget_ledger import BudgetLedger
 from services.scheduler.elastic_control import ElasticConfig, ElasticControl
 from services.scheduler.hi_memory import HiConfig, HiMemory
+from services.scheduler.hybrid_hi_memory import HybridHiMemory
 from services.scheduler.hybrid_memory import HybridMemory
 from services.scheduler.memory import KVMemory
 from services.scheduler.metrics import SchedulerMetrics
@@ -91,9 +92,16 @@ class SchedulerLoop:
         info = link.info
         cfg = self.cfg
         mem: KVMemory
-        if info.hybrid and info.host_pages:
-            log.warning("the host pool of a hybrid model is not used yet: prefixes stay on the device")
-        if info.hybrid:
+        if info.hybrid and info.host_pages and info.host_states and cfg.cache == "radix":
+            mem = HybridHiMemory(
+                info.num_slots, info.num_rows, info.page_size, info.num_mamba_slots,
+                host_pages=info.host_pages, host_states=info.host_states,
+                host_page_tokens=info.host_page_tokens,
+                namespace=HashNamespace(info.fingerprint, info.kv_layout), state_layout=info.state_layout,
+                l3=info.l3, state_policy="lru" if cfg.mamba_policy == "lru" else "marconi",
+                checkpoint_every=cfg.checkpoint_every or cfg.max_prefill_tokens, cfg=cfg.hicache,
+            )
+        elif info.hybrid:
             mem = HybridMemory(
                 info.num_slots, info.num_rows, info.page_size, cfg.cache, info.num_mamba_slots,
                 state_policy="lru" if cfg.mamba_policy == "lru" else "marconi",

@@ -12,6 +12,7 @@ from services.common.metrics import MetricFactory
 from services.common.step import StepResult
 from services.scheduler.batcher import Batcher, Plan
 from services.scheduler.hi_memory import HiMemory
+from services.scheduler.hybrid_hi_memory import HybridHiMemory
 from services.scheduler.hybrid_memory import HybridMemory
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class SchedulerMetrics:
         self._last = (batcher.cached_tokens, batcher.retractions, batcher.mem.evicted, batcher.prompt_tokens)
         if isinstance(batcher.mem, HybridMemory):
             self._observe_mamba(batcher.mem)
-        if isinstance(batcher.mem, HiMemory):
+        if isinstance(batcher.mem, HiMemory | HybridHiMemory):
             self._observe_hi(batcher.mem)
         self.generated_tokens.inc(len(result.outputs))
         self.step_seconds.observe(step_s)
@@ -101,10 +102,15 @@ class SchedulerMetrics:
             self.mamba_events.labels(event).inc(n - self._last_mamba.get(event, 0))
         self._last_mamba = now
 
-    def _observe_hi(self, mem: HiMemory) -> None:
-        self.host_pages.labels("free").set(mem.host.available)
-        self.host_pages.labels("evictable").set(mem.hi.host_evictable_size)
-        self.host_pages.labels("protected").set(mem.hi.host_protected_size)
+    def _observe_hi(self, mem: HiMemory | HybridHiMemory) -> None:
+        if isinstance(mem, HiMemory):
+            free, evictable, protected = mem.host.available, mem.hi.host_evictable_size, mem.hi.host_protected_size
+        else:  # a hybrid model's host states are counted in the events
+            host = mem.kv_host
+            free, evictable, protected = host.size - len(host) - host.reserved, host.evictable, host.protected
+        self.host_pages.labels("free").set(free)
+        self.host_pages.labels("evictable").set(evictable)
+        self.host_pages.labels("protected").set(protected)
         now = asdict(mem.counters)
         for event, n in now.items():
             self.hicache_events.labels(event).inc(n - self._last_hi.get(event, 0))

@@ -191,6 +191,20 @@ class MambaRadixCache(PrefixCache):
         end.state_access = self._tick
         return MambaMatch(slots, end, end.state, pos)
 
+    def kv_path(self, key: CacheKey) -> list[int]:
+        """The KV slots the tree holds for `key`'s leading whole pages, through tombstones and into
+        an edge (`MambaMatch.kv_len` of them); changes nothing, not even recency."""
+        root = self._roots.get(key.extra)
+        if root is None:
+            return []
+        tokens = as_array(key.tokens)
+        node, _, partial, m = self._descend(root, tokens, self.aligned_len(len(tokens)))
+        out: list[int] = list(partial.value[:m]) if partial is not None else []
+        while node.parent is not None:
+            out[:0] = node.value
+            node = node.parent
+        return out
+
     def match_prefix(self, key: CacheKey) -> MatchResult:
         """PrefixCache view of `match` (without the state slot)."""
         m = self.match(key)

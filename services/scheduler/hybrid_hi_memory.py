@@ -1,0 +1,425 @@
+"""Memory of a hybrid model whose worker has a host pool: the hierarchical cache for KV *and*
+Mamba states.
+
+A hybrid prefix is only usable with the recurrent state right after it, so below the device
+(``HybridMemory``'s Mamba radix cache, paged in host pages so that every checkpoint sits on a
+host-page boundary) the tiers keep two kinds of object under the same chained page hashes
+(``services.common.page_hash``):
+
+- KV pages, keyed by the page's hash ``h_i``; Mamba states, keyed by ``state_key(h_i)`` for the
+  state right after page ``i`` (only at checkpoints). On the host (L2) each kind has a
+  ``HostIndex``; in L3 they are plain kvstore keys.
+
+Flows (each op is acknowledged by the worker in ``StepResult.jobs``; a *group* is the one or two
+ops, pages and state, of one backup / put / prefetch, finished when all its ops are):
+
+- **write_through**: a state that enters the device tree (a fork, or a donated working state) is
+  backed up with the pages before it that the host lacks: the node is locked (KV path + state),
+  ``HostBackup`` + ``StateBackup`` go with the next step — after that step's fork copies, so a fork
+  is read once it holds its state — and on acknowledgement the pages and the state join the host
+  index and the node is unlocked. With L3, an ``L3Put`` of what is new follows.
+- **admission** (``match``): after the device match (``n`` tokens with a state; KV reach ``d``
+  through tombstones) the host is searched for the deepest state ``q > n`` whose pages lie below
+  ``d`` or in the host's run of pages from ``d``. Pages ``[d, q)`` are loaded into new slots
+  (``HostLoad``), the state into a new state slot (``StateLoad``); the prefix and that state are
+  inserted into the device tree, locked and served like a device hit (the request's copy-on-write
+  ``MambaCopy`` follows in the same step). Loads are acknowledged when planned, as in
+  ``HiMemory``: the step stream runs them before any reader.
+- **L3 prefetch** (``hold``): ``Req.l3_pages`` is the deepest state (in pages) whose pages and
+  state L3 holds (``l3_lookup``). When it exceeds the local reach by ``prefetch_threshold`` pages,
+  the missing pages and the state are fetched into reserved host pages (two ``L3Get``), the host
+  pages the fetch continues are pinned, and the request waits as its stop policy says. The
+  leading pages that arrived join the host index, and the state too when every page did.
+
+Only ``write_through`` exists for hybrid models (a state is worth keeping where it was made).
+Groups in flight plus backups queued are bounded by ``max_inflight_jobs``; beyond it a backup,
+put or prefetch is skipped and counted (``refused``). Invariants when idle: device KV and Mamba as in
+``HybridMemory``; host ``available + evictable + protected + reserved == size`` for pages and
+states (``HostIndex.check``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from services.common.page_hash import HashNamespace, page_hashes, state_key
+from services.common.step import CacheOp, HostBackup, HostLoad, JobResult, L3Get, L3Put, StateBackup, StateLoad
+from services.scheduler.cache.base import CacheHandle, CacheKey
+from services.scheduler.cache.hiradix_policy import PrefetchTracker, should_prefetch
+from services.scheduler.cache.host_index import HostIndex
+from services.scheduler.cache.mamba_policy import StatePolicy
+from services.scheduler.hi_memory import HiConfig, HiCounters
+from services.scheduler.host_alloc import HostPageAllocator
+from services.scheduler.hybrid_memory import HybridMemory
+from services.scheduler.request import Req
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class HybridHiCounters(HiCounters):
+    state_loads: int = 0
+    state_backups: int = 0
+    state_puts: int = 0
+    states_prefetched: int = 0
+    refused: int = 0  # backups / puts / prefetches skipped: in-flight bound or no host room
+
+
+@dataclass(slots=True)
+class _Group:
+    """One backup, put or prefetch: a pages op and/or a state op, finished when both are acked."""
+
+    kind: Literal["backup", "put", "prefetch"]
+    keys: list[bytes]  # page keys, in order
+    pages: list[int]  # their host pages (reserved for backup / prefetch)
+    skey: bytes | None  # the state's key, when a state takes part
+    state: int | None  # its host state slot
+    kv_job: int = 0
+    state_job: int = 0
+    waiting: int = 0  # ops sent and not yet acknowledged
+    kv_done: int = 0  # pages the pages op wrote or stored
+    state_ok: bool = False
+    node: CacheHandle | None = None  # backup: the device node locked until acked
+    pins: list[bytes] = field(default_factory=list)  # host page keys pinned until acked
+    spins: list[bytes] = field(default_factory=list)  # host state keys pinned until acked
+    tracker: PrefetchTracker | None = None
+
+
+class HybridHiMemory(HybridMemory):
+    """``HybridMemory`` with host and L3 tiers for pages and states; see the module docstring."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_rows: int,
+        page_size: int,
+        num_states: int,
+        *,
+        host_pages: int,
+        host_states: int,
+        host_page_tokens: int,
+        namespace: HashNamespace,
+        state_layout: str,
+        l3: bool,
+        state_policy: StatePolicy = "marconi",
+        checkpoint_every: int = 1024,
+        cfg: HiConfig | None = None,
+    ) -> None:
+        super().__init__(
+            num_slots, num_rows, page_size, "radix", num_states, state_policy=state_policy,
+            checkpoint_every=checkpoint_every, tree_page=host_page_tokens,
+        )
+        if host_pages < 1 or host_states < 1:
+            raise ValueError(f"a hybrid host tier needs host pages and host states, got {host_pages} / {host_states}")
+        if not state_layout:
+            raise ValueError("state_layout must be non-empty (it is part of every state key)")
+        self.cfg = cfg or HiConfig()
+        if self.cfg.write_policy != "write_through":
+            log.warning("hybrid models back states up write_through; write policy %r not used", self.cfg.write_policy)
+        self.kv_host = HostIndex(HostPageAllocator(host_pages))
+        self.state_host = HostIndex(HostPageAllocator(host_states))
+        self.namespace = namespace
+        self.state_layout = state_layout
+        self.l3 = l3
+        self.tier_ops: list[CacheOp] = []  # loads and prefetches planned since the last step
+        self._backlog: list[tuple[CacheHandle, CacheKey, int]] = []  # (locked node, key, state slot)
+        self._puts: list[tuple[list[bytes], bytes | None]] = []  # acked backups to put to L3
+        self._groups: dict[int, _Group] = {}  # job id -> its group
+        self._busy = 0  # groups in flight (bounded by cfg.max_inflight_jobs with the backlog)
+        self._incoming: set[bytes] = set()  # keys a backup is writing to the host
+        self._ids = itertools.count(1)
+        self._ns: dict[str, HashNamespace] = {}
+        self.counters = HybridHiCounters()
+
+    # -- keys -----------------------------------------------------------------------------------
+    def _hashes(self, key: CacheKey) -> list[bytes]:
+        ns = self._ns.get(key.extra)
+        if ns is None:
+            base = self.namespace
+            ns = self._ns[key.extra] = HashNamespace(base.model_fingerprint, base.layout, cache_salt=key.extra)
+        return page_hashes(key.tokens, self.tree_page, ns)
+
+    def _skey(self, page_hash: bytes) -> bytes:
+        return state_key(page_hash, self.state_layout)
+
+    def _host_reach(self, keys: list[bytes], n: int, d: int) -> tuple[int, int]:
+        """``(e, q)`` in pages: the end of the host's run of pages from the device's KV reach
+        ``d``, and the deepest state ``q`` past the device's served prefix ``n`` whose pages are
+        all local (below ``max(d, e)``), or 0."""
+        ps = self.tree_page
+        e = self.kv_host.run(keys, d // ps)
+        for q in range(max(d // ps, e), n // ps, -1):
+            if self._skey(keys[q - 1]) in self.state_host:
+                return e, q
+        return e, 0
+
+    # -- admission ------------------------------------------------------------------------------
+    def match(self, req: Req) -> int:
+        n = super().match(req)
+        assert self.mcache is not None
+        key = self.match_key(req)
+        keys = self._hashes(key)
+        _, q = self._host_reach(keys, n, len(self.mcache.kv_path(key)))
+        if q:
+            n = self._load(req, key, keys, q) or n
+        req.cache_len = req.planned_len = n
+        return n
+
+    def _load(self, req: Req, key: CacheKey, keys: list[bytes], q: int) -> int:
+        """Bring pages ``[d, q)`` and the state after page ``q`` from the host, insert them into
+        the device tree and serve the request from there; 0 when there is no room."""
+        assert self.mcache is not None
+        ps, n = self.tree_page, req.cache_len
+        end = q * ps
+        state = self._alloc_state()
+        if state is None:
+            return 0
+        got = self.alloc(end - n) if end > n else []
+        if got is None:
+            self.states.free(state)
+            return 0
+        dev = self.mcache.kv_path(key)[:end]  # again: making room may have evicted tombstones
+        d = len(dev)
+        if d < end and self.kv_host.run(keys, d // ps) < q:
+            self.slots.free(self._pages(got))
+            self.states.free(state)
+            return 0
+        new, spare = got[: end - d], got[end - d :]
+        if spare:
+            self.slots.free(self._pages(spare))
+        sentry = self.state_host.get(self._skey(keys[q - 1]))
+        assert sentry is not None
+        if new:
+            host_pages = tuple(self.kv_host.get(k).index for k in keys[d // ps : q])  # type: ignore[union-attr]
+            self.tier_ops.append(HostLoad(next(self._ids), host_pages, tuple(new)))
+        self.tier_ops.append(StateLoad(next(self._ids), (sentry.index,), (state,)))
+        self.kv_host.touch(keys[:q])
+        self.state_host.touch([self._skey(keys[q - 1])])
+        pkey = CacheKey(key.tokens[:end], key.extra)
+        res = self.mcache.insert_checkpoint(pkey, dev + new, state)
+        assert res.cached_len == d, (res.cached_len, d)
+        m = self.mcache.match(pkey)
+        assert len(m.slots) == end
+        self.mcache.lock(m.node)
+        if req.lock is not None:
+            self.mcache.unlock(req.lock)
+        req.lock, req.slots, req.matched_state = m.node, list(m.slots), m.mamba_slot
+        req.branch_len = max(req.branch_len, end)
+        self.counters.load_tokens += len(new)
+        self.counters.state_loads += 1
+        return end
+
+    def hold(self, req: Req) -> bool:
+        """Whether ``req`` should wait for an L3 prefetch (starting one when it pays)."""
+        t: PrefetchTracker | None = req.prefetch
+        now = time.monotonic()
+        if t is None:
+            t = self._start_prefetch(req, now)
+            if t is None:
+                return False
+        t.expire(now)
+        return not t.may_admit(now)
+
+    def _start_prefetch(self, req: Req, now: float) -> PrefetchTracker | None:
+        if not self.l3 or req.l3_pages <= 0 or self.mcache is None:
+            return None
+        key = self.match_key(req)
+        keys = self._hashes(key)
+        top = min(req.l3_pages, len(keys))
+        n = self.mcache.match(key).length
+        d = len(self.mcache.kv_path(key))
+        e, q = self._host_reach(keys, n, d)
+        local = max(n // self.tree_page, q)
+        if not should_prefetch(top, local, self.cfg.prefetch_threshold):
+            return None
+        if self._full():
+            self.counters.refused += 1
+            return None
+        start = min(max(d // self.tree_page, e), top)
+        pages = self.kv_host.reserve(top - start)
+        if pages is None:
+            self.counters.refused += 1
+            return None
+        hs = self.state_host.reserve(1)
+        if hs is None:
+            self.kv_host.release(pages)
+            self.counters.refused += 1
+            return None
+        g = _Group("prefetch", keys[start:top], pages, self._skey(keys[top - 1]), hs[0])
+        g.pins = self.kv_host.pin(keys[d // self.tree_page : start])
+        self._send(g, self.tier_ops, get=True)
+        cfg = self.cfg
+        g.tracker = PrefetchTracker(len(pages) + 1, cfg.prefetch_policy, now=now, timeout_s=cfg.prefetch_timeout_s,
+                                    release=lambda _: None)
+        g.tracker.issue()
+        req.prefetch = g.tracker
+        self.counters.prefetch_pages += len(pages)
+        return g.tracker
+
+    # -- writes ---------------------------------------------------------------------------------
+    def checkpointed(self, key: CacheKey) -> None:
+        """A state entered the device tree at the end of ``key``: back it up (write_through)."""
+        assert self.mcache is not None
+        m = self.mcache.match(key)
+        if m.length != len(key.tokens) or m.mamba_slot is None:
+            return
+        if self._full():
+            self.counters.refused += 1
+            return
+        self.mcache.lock(m.node)
+        self._backlog.append((m.node, key, m.mamba_slot))
+
+    def take_tier_ops(self) -> list[CacheOp]:
+        """Loads and prefetches planned so far, then the backups and puts due now."""
+        ops, self.tier_ops = self.tier_ops, []
+        backlog, self._backlog = self._backlog, []
+        for node, key, slot in backlog:
+            self._start_backup(node, key, slot, ops)
+        puts, self._puts = self._puts, []
+        for keys, skey in puts:
+            self._start_put(keys, skey, ops)
+        return ops
+
+    def _start_backup(self, node: CacheHandle, key: CacheKey, slot: int, ops: list[CacheOp]) -> None:
+        assert self.mcache is not None
+        ps = self.tree_page
+        keys = self._hashes(key)
+        skey = self._skey(keys[-1])
+        missing = [i for i, k in enumerate(keys) if k not in self.kv_host and k not in self._incoming]
+        need_state = skey not in self.state_host and skey not in self._incoming
+        pages = self.kv_host.reserve(len(missing)) if need_state or missing else None
+        hs = self.state_host.reserve(1) if need_state and pages is not None else []
+        if pages is None or hs is None:
+            if pages:
+                self.kv_host.release(pages)
+            if need_state or missing:
+                self.counters.refused += 1
+            self.mcache.unlock(node)
+            return
+        slots = self.mcache.kv_path(key)
+        assert len(slots) == len(key.tokens), "a locked node keeps its path"
+        g = _Group("backup", [keys[i] for i in missing], pages, skey if hs else None, hs[0] if hs else None)
+        g.node = node
+        self._incoming.update(g.keys)
+        if g.skey is not None:
+            self._incoming.add(g.skey)
+        dev = tuple(s for i in missing for s in slots[i * ps : (i + 1) * ps])
+        self._send(g, ops, backup_slots=(dev, slot))
+
+    def _start_put(self, keys: list[bytes], skey: bytes | None, ops: list[CacheOp]) -> None:
+        keys = [k for k in keys if (e := self.kv_host.get(k)) is not None and not e.l3]
+        se = self.state_host.get(skey) if skey is not None else None
+        if se is not None and se.l3:
+            se = None
+        if not keys and se is None:
+            return
+        if self._full():
+            self.counters.refused += 1
+            return
+        g = _Group("put", keys, [self.kv_host.get(k).index for k in keys],  # type: ignore[union-attr]
+                   skey if se is not None else None, se.index if se is not None else None)
+        g.pins = self.kv_host.pin(keys)
+        g.spins = self.state_host.pin([skey]) if se is not None and skey is not None else []
+        self._send(g, ops)
+
+    def _full(self) -> bool:
+        return self._busy + len(self._backlog) >= self.cfg.max_inflight_jobs
+
+    def _send(self, g: _Group, ops: list[CacheOp], *, get: bool = False,
+              backup_slots: tuple[tuple[int, ...], int] | None = None) -> None:
+        """Turn a group into its ops (pages first, then the state) and remember its job ids."""
+        if g.pages:
+            g.kv_job = next(self._ids)
+            if backup_slots is not None:
+                ops.append(HostBackup(g.kv_job, backup_slots[0], tuple(g.pages)))
+            elif get:
+                ops.append(L3Get(g.kv_job, tuple(g.keys), tuple(g.pages)))
+            else:
+                ops.append(L3Put(g.kv_job, tuple(g.pages), tuple(g.keys)))
+            self._groups[g.kv_job] = g
+            g.waiting += 1
+        if g.state is not None and g.skey is not None:
+            g.state_job = next(self._ids)
+            if backup_slots is not None:
+                ops.append(StateBackup(g.state_job, (backup_slots[1],), (g.state,)))
+            elif get:
+                ops.append(L3Get(g.state_job, (g.skey,), (g.state,), states=True))
+            else:
+                ops.append(L3Put(g.state_job, (g.state,), (g.skey,), states=True))
+            self._groups[g.state_job] = g
+            g.waiting += 1
+        self._busy += 1
+
+    # -- acknowledgements -----------------------------------------------------------------------
+    def on_results(self, results: list[JobResult]) -> None:
+        """Acknowledge the jobs of a committed step (load results are ignored: see the docstring)."""
+        for r in results:
+            g = self._groups.pop(r.job_id, None)
+            if g is None:
+                continue
+            if not r.ok:
+                self.counters.failed_jobs += 1
+            if r.job_id == g.kv_job:
+                g.kv_done = min(r.pages, len(g.pages)) if g.kind == "prefetch" else (len(g.pages) if r.ok else 0)
+            else:
+                g.state_ok = r.ok
+            g.waiting -= 1
+            if not g.waiting:
+                self._finish(g)
+
+    def _finish(self, g: _Group) -> None:
+        self._busy -= 1
+        got = g.kv_done
+        state_ok = g.state_ok and (g.kind != "prefetch" or got == len(g.pages))
+        if g.kind == "put":
+            for k in g.keys[:got]:
+                self.kv_host.get(k).l3 = True  # type: ignore[union-attr]
+            if state_ok and g.skey is not None:
+                self.state_host.get(g.skey).l3 = True  # type: ignore[union-attr]
+            self.counters.put_pages += got
+            self.counters.state_puts += state_ok
+        else:
+            for k, p in reversed(list(zip(g.keys[:got], g.pages[:got], strict=True))):
+                self.kv_host.add(k, p)
+            self.kv_host.release(g.pages[got:])
+            if g.state is not None and g.skey is not None:
+                if state_ok:
+                    self.state_host.add(g.skey, g.state)
+                else:
+                    self.state_host.release([g.state])
+        self.kv_host.unpin(g.pins)
+        self.state_host.unpin(g.spins)
+        if g.kind == "backup":
+            self._incoming.difference_update(g.keys)
+            self._incoming.discard(g.skey or b"")
+            assert g.node is not None and self.mcache is not None
+            self.mcache.unlock(g.node)
+            self.counters.backup_pages += got
+            self.counters.state_backups += state_ok
+            if self.l3 and (got or state_ok):
+                self._puts.append((g.keys[:got], g.skey if state_ok else None))
+        elif g.kind == "prefetch":
+            self.counters.prefetched_pages += got
+            self.counters.states_prefetched += state_ok
+            assert g.tracker is not None
+            g.tracker.on_done(got + state_ok)
+
+    @property
+    def memory_pending(self) -> bool:
+        """Backups hold device nodes until acknowledged; loads and prefetches are on their way."""
+        return bool(self._groups or self.tier_ops or self._backlog)
+
+    @property
+    def inflight(self) -> int:
+        """Backups, puts and prefetches sent and not yet wholly acknowledged."""
+        return self._busy
+
+    # -- accounting -----------------------------------------------------------------------------
+    def check_idle_invariant(self) -> None:
+        super().check_idle_invariant()
+        self.kv_host.check()
+        self.state_host.check()
