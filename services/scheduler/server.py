@@ -213,15 +213,20 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event, ready: asyncio.Event 
         record = ServiceRecord("scheduler", cfg.instance_id or f"scheduler-{port}", address, model=cfg.model)
         registration = Registration(cfg.etcd, record)
         await registration.start()
-    tasks = [asyncio.create_task(loop.run(stop)), asyncio.create_task(_manage_workers(cfg, loop, stop))]
+    tasks = [
+        asyncio.create_task(loop.run(stop), name="scheduling loop"),
+        asyncio.create_task(_manage_workers(cfg, loop, stop), name="worker watcher"),
+    ]
     log.info("scheduler serving on %s", address)
     print(f"READY scheduler {address}", flush=True)
     if ready is not None:
         ready.set()
-    await stop.wait()
-    for t in tasks:
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    died = next((t for t in tasks if t.done()), None)  # the loop or the worker watcher ended by itself
+    for t in (stopped, *tasks):
         t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.gather(stopped, *tasks, return_exceptions=True)
     if registration is not None:
         await registration.stop()
     if loop.link is not None:
@@ -232,6 +237,10 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event, ready: asyncio.Event 
         await ledger.stop()
     await server.stop()
     telemetry.shutdown_tracing()
+    if died is not None and not stop.is_set():
+        # Never keep accepting requests that nothing will run: exit non-zero, to be restarted.
+        err = died.exception() if not died.cancelled() else None
+        raise RuntimeError(f"the scheduler's {died.get_name()} stopped unexpectedly: {err!r}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
