@@ -72,6 +72,15 @@ def test_scaled_multiturn_soak_with_l3_keeps_every_service_flat(tiny_qwen3: Path
     _check(report, tmp_path)
 
 
+def test_scaled_hybrid_soak_with_l3_keeps_every_service_flat(tiny_qwen3_next: Path, tmp_path: Path) -> None:
+    """The same load on the hybrid model: pages and Mamba states go through host and L3 (backed up
+    at checkpoints, prefetched, loaded), and every service stays as flat as with a dense model."""
+    report = run_soak(tiny_qwen3_next, SCALED, tmp_path, say=lambda _: None)
+    print("\n" + table(report))
+    _check(report, tmp_path)
+    assert report.samples[-1].kv_hits > 0  # prefixes (with their states) came back from L3
+
+
 def test_the_bar_catches_a_kvstore_that_keeps_every_page(tiny_qwen3: Path, tmp_path: Path) -> None:
     """The meter is not vacuous: the same load against a kvstore whose cap never binds (it keeps
     every page put, ~2.8 MiB per repetition: what a store that forgot to evict would do) fails
