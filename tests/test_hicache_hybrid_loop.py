@@ -173,7 +173,7 @@ def test_prefix_from_l3_equals_transformers(tiny_qwen3_next: Path, device_turns:
     res, loop = h.serve(eng, LoopConfig(overlap=overlap), _conversation(eng, flush_host, (port, shards)))
     _check(tiny_qwen3_next, res, device_turns)
     c = _mem(loop).counters
-    assert c.put_pages > 0 and c.state_puts > 0
+    assert c.put_pages > 0 and c.state_puts > 0 and c.failed_jobs == 0
     assert c.states_prefetched == c.state_loads == len(res) - 1
     assert c.load_tokens == sum(o.cached_tokens for _, o in res)
 

@@ -1,6 +1,7 @@
 """TTFT of a long prompt recomputed vs served from each tier of the hierarchical KV cache.
 
     python -m services.bench.hicache --model models/qwen3-bench [--lengths 1024,2048,4096] [--repeats 3]
+    python -m services.bench.hicache --model models/qwen3-next-bench   # hybrid: KV pages + Mamba states
 
 One worker (an engine with a host pool and a kvstore port), one scheduler loop and one kvstore
 server — its own process by default, reached through gRPC on loopback — with the services'
@@ -24,6 +25,11 @@ tier really served it (host: ``load_tokens`` grew by ``cached``; L3: ``prefetche
 ``cached`` / page and the worker wrote that many pages from the kvstore). Writes ``--out``
 (JSON) and prints a markdown table; progress goes to stderr. Exit status 1 when a check fails.
 
+A hybrid model (the worker's info says so; the loop then runs ``HybridHiMemory``) is measured the
+same way, its Mamba state at the end of the prefix travelling with the pages (host: one
+``state_loads``; L3: one ``states_prefetched`` and one state written by the worker). Its JSON
+goes to ``docs/bench/hicache-hybrid.json`` unless ``--out`` says otherwise.
+
 Torch gets one intra-op thread by default (``--threads``): on a shared 2-core machine two
 threads make a prefill's time swing 2-3x from run to run, and one leaves the other core to the
 event loop and the kvstore process, which in a deployment run elsewhere.
@@ -37,33 +43,23 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
-import threading
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import NamedTuple
 
+from services.bench.hicache_rig import Sizes, kvstore, model_sizes, pools
+from services.bench.hicache_tiers import TIERS, Tier, Tiers, serving
 from services.bench.runner import greedy_req
-from services.kvstore.config import KVStoreConfig
-from services.kvstore.server import build_server
 from services.kvstore.sharded import ShardedKVStore
-from services.scheduler.hi_memory import HiConfig, HiMemory
+from services.scheduler.hi_memory import HiConfig
 from services.scheduler.l3_lookup import L3_PAGE_TOKENS, leading_pages
-from services.scheduler.loop import LoopConfig, SchedulerLoop
-from services.scheduler.request import Event, Finish, Req, TokenEvent
-from services.scheduler.worker_link import InProcessWorkerLink
+from services.scheduler.loop import LoopConfig
+from services.scheduler.request import Finish, TokenEvent
 
-if TYPE_CHECKING:
-    from services.worker.engine import Engine
-
-Tier = Literal["recompute", "device", "host", "l3"]
-TIERS: tuple[Tier, ...] = ("recompute", "device", "host", "l3")
 GOAL_LENGTH, GOAL_RATIO = 4096, 3.0  # issue #7: L3 at least 3x faster than recompute at 4k tokens
-_READY_TIMEOUT_S = 60.0
+OUT, OUT_HYBRID = Path("docs/bench/hicache.json"), Path("docs/bench/hicache-hybrid.json")  # --out's defaults
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +83,15 @@ class Sample:
 
 
 @dataclass(frozen=True, slots=True)
+class HybridSample(Sample):
+    """A hybrid model's request: the Mamba state's counters too (``HybridHiCounters``' growth)."""
+
+    state_loads: int  # states loaded from the host
+    states_prefetched: int  # states prefetched from L3
+    worker_l3_states: int  # states the worker wrote into its host pool from the kvstore
+
+
+@dataclass(frozen=True, slots=True)
 class Row:
     length: int
     cached: int  # tokens a cached run reuses
@@ -107,114 +112,6 @@ def _lengths(text: str) -> list[int]:
     if not out or min(out) < 2 or len(set(out)) != len(out):
         raise argparse.ArgumentTypeError(f"lengths: distinct, each >= 2 tokens, got {text!r}")
     return out
-
-
-def kv_bytes_per_token(model: Path) -> int:
-    """K and V of every layer for one token, fp32 (the engine's default dtype)."""
-    c = json.loads((model / "config.json").read_text())
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 4
-
-
-# -- the kvstore -------------------------------------------------------------------------------------
-
-
-@contextmanager
-def kvstore_process(capacity_bytes: int) -> Iterator[str]:
-    """A kvstore server process on loopback; yields its address once it prints READY."""
-    cmd = [sys.executable, "-m", "services.kvstore.server", "--host", "127.0.0.1", "--port", "0",
-           "--capacity-bytes", str(capacity_bytes), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    watchdog = threading.Timer(_READY_TIMEOUT_S, proc.kill)  # a server that never gets ready
-    watchdog.start()
-    try:
-        address = ""
-        for line in proc.stdout:
-            if line.startswith("READY kvstore "):
-                address = line.split()[-1]
-                break
-        watchdog.cancel()
-        if not address:
-            raise RuntimeError(f"the kvstore server exited with {proc.wait()} before it was ready")
-        # Keep reading, so a chatty server never blocks on a full pipe.
-        threading.Thread(target=proc.stdout.read, daemon=True).start()
-        yield address
-    finally:
-        watchdog.cancel()
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-@asynccontextmanager
-async def kvstore_inproc(capacity_bytes: int) -> AsyncIterator[str]:
-    """A kvstore server on this event loop (quicker to start; shares the process with the loop)."""
-    server, _ = build_server(KVStoreConfig(capacity_bytes=capacity_bytes))
-    port = await server.start("127.0.0.1:0")
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop()
-
-
-# -- forcing a tier ----------------------------------------------------------------------------------
-
-
-class Tiers:
-    """The loop's hierarchical memory and the engine's pools, and the flushes that force a tier."""
-
-    def __init__(self, loop: SchedulerLoop, task: asyncio.Task[None], engine: Engine) -> None:
-        assert loop.batcher is not None and isinstance(loop.batcher.mem, HiMemory), "the worker needs a host pool"
-        self.loop, self.task, self.mem, self.engine = loop, task, loop.batcher.mem, engine
-
-    async def next_event(self, req: Req, timeout_s: float) -> Event:
-        """``req``'s next event; raises when the loop died instead (its error) or after ``timeout_s``."""
-        get = asyncio.ensure_future(req.events.get())
-        done, _ = await asyncio.wait({get, self.task}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        if get in done:
-            return get.result()
-        get.cancel()
-        if self.task.done():
-            raise RuntimeError("the scheduler loop stopped") from self.task.exception()
-        raise TimeoutError(f"request {req.rid}: no event in {timeout_s:.0f}s")
-
-    async def settle(self, timeout_s: float) -> None:
-        """Wait until the loop is idle and every backup and put it queued was acknowledged."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            b = self.loop.batcher
-            assert b is not None
-            if b.idle and self.mem.inflight == 0 and not self.mem.hi.queued_writes:
-                return
-            if self.task.done():
-                raise RuntimeError("the scheduler loop stopped") from self.task.exception()
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the loop did not settle in {timeout_s:.0f}s: {self.mem.inflight} jobs in flight")
-            await asyncio.sleep(0.01)
-
-    def flush_device(self) -> None:
-        """Drop every device copy (write_through put each on the host already) and scribble over
-        the device pool, so a prefix can only come back through a load."""
-        hi = self.mem.hi
-        ev = hi.evict_device(hi.evictable_size)
-        if ev.pending or hi.evictable_size or self.mem.slots.available != self.mem.size:
-            raise RuntimeError("device flush incomplete: a device page is still held")
-        kv = self.engine.kv
-        for t in (*kv.k, *kv.v):
-            t.normal_()
-
-    def flush_host(self) -> None:
-        """``flush_device``, then drop every host page and scribble over the host pool."""
-        self.flush_device()
-        self.mem.hi.evict_host(self.mem.hi.host_evictable_size)
-        if self.mem.host.available != self.mem.host.num_pages:
-            raise RuntimeError("host flush incomplete: a host page is still held")
-        assert self.engine.host is not None
-        self.engine.host.pool.pages.normal_()
 
 
 class Served(NamedTuple):
@@ -254,67 +151,37 @@ async def request(tiers: Tiers, store: ShardedKVStore, prompt: list[int], timeou
 async def one_prompt(
     tiers: Tiers, store: ShardedKVStore, prompt: list[int], repeat: int, timeout_s: float
 ) -> list[Sample]:
-    """The four tiers for one prompt, in order, the tiers flushed between them."""
-    mem, host = tiers.mem, tiers.engine.host
-    assert host is not None
-    page = mem.hi.page_size
-    cached = (len(prompt) - 1) // page * page  # the last token is always computed
+    """The tiers for one prompt (``tiers.order``), in order, the tiers flushed between them."""
+    page = tiers.page
     out: list[Sample] = []
     ref = -1
-    for tier in TIERS:
+    for tier in tiers.order:
         if tier == "host":
             tiers.flush_device()
         elif tier == "l3":
             tiers.flush_host()
-        load0, pre0, got0 = mem.counters.load_tokens, mem.counters.prefetched_pages, host.pages_got
+        before = tiers.counts()
         r = await request(tiers, store, prompt, timeout_s)
-        load, pre, got = mem.counters.load_tokens - load0, mem.counters.prefetched_pages - pre0, host.pages_got - got0
+        grew = tiers.counts().minus(before)
         await tiers.settle(timeout_s)  # its backups and puts are not part of its TTFT
         if tier == "recompute":
             ref = r.token
         # What each tier must show: cold = nothing anywhere (not even in L3); host and L3 = the
-        # prefix was loaded; L3 = every page of it came from the kvstore through the worker.
-        expect = 0 if tier == "recompute" else cached
+        # prefix (and a hybrid model's state) was loaded; L3 = every page of it (and the state)
+        # came from the kvstore through the worker.
+        cached = tiers.cached(tier, len(prompt))
         tier_ok = (
-            r.cached_tokens == expect
+            r.cached_tokens == cached
             and (r.l3_pages == 0 if tier == "recompute" else r.l3_pages >= cached // page)
-            and load == (cached if tier in ("host", "l3") else 0)
-            and pre == got == (cached // page if tier == "l3" else 0)
+            and grew == tiers.expect(tier, cached)
         )
-        out.append(Sample(tier, len(prompt), repeat, r.ttft_s, r.lookup_s, r.l3_pages, r.token, r.cached_tokens,
-                          expect, load, pre, got, r.token == ref, tier_ok))
+        kv = (tier, len(prompt), repeat, r.ttft_s, r.lookup_s, r.l3_pages, r.token, r.cached_tokens, cached,
+              grew.load_tokens, grew.prefetched_pages, grew.worker_l3_pages, r.token == ref, tier_ok)
+        out.append(HybridSample(*kv, *grew[3:]) if tiers.hybrid else Sample(*kv))
     return out
 
 
 # -- the run -----------------------------------------------------------------------------------------
-
-
-@asynccontextmanager
-async def serving(eng: Engine, cfg: LoopConfig) -> AsyncIterator[Tiers]:
-    """A scheduler loop serving ``eng`` in this process, for as long as the block runs."""
-    loop = SchedulerLoop(cfg)
-    link = InProcessWorkerLink(eng)
-    loop.attach(link)
-    stop = asyncio.Event()
-    task = asyncio.create_task(loop.run(stop))
-    try:
-        yield Tiers(loop, task, eng)
-    finally:
-        stop.set()
-        await asyncio.wait({task}, timeout=10.0)
-        if not task.done():
-            task.cancel()
-        await link.close()
-
-
-@asynccontextmanager
-async def _kvstore(kind: str, capacity: int) -> AsyncIterator[str]:
-    if kind == "inproc":
-        async with kvstore_inproc(capacity) as address:
-            yield address
-        return
-    with kvstore_process(capacity) as address:
-        yield address
 
 
 def _prompt(vocab: int, length: int, repeat: int, seed: int) -> list[int]:
@@ -322,41 +189,45 @@ def _prompt(vocab: int, length: int, repeat: int, seed: int) -> list[int]:
     return [r.randrange(3, vocab) for _ in range(length)]
 
 
-async def _run(args: argparse.Namespace) -> list[Sample]:
+async def _run(args: argparse.Namespace, sizes: Sizes) -> list[Sample]:
     from services.worker.engine import Engine, EngineConfig
     from services.worker.l3_port import KVStorePort
 
-    per_token = kv_bytes_per_token(args.model)
-    longest = max(args.lengths) + args.host_page_tokens
-    # Each pool holds two of the longest prompts: the one being served and the last one's cache.
-    ecfg = EngineConfig(device=args.device, kv_cache_bytes=2 * longest * per_token, max_rows=4,
-                        host_cache_bytes=2 * longest * per_token, host_page_tokens=args.host_page_tokens)
-    # Room for every prompt of the run (and the warm-up): the kvstore never evicts.
-    capacity = 2 * (sum(args.lengths) * args.repeats + longest) * per_token
-    async with _kvstore(args.kvstore, capacity) as address:
+    page = args.host_page_tokens
+    pl = pools(sizes, args.lengths, args.repeats, page, args.max_prefill_tokens)
+    ecfg = EngineConfig(device=args.device, kv_cache_bytes=pl.kv_cache_bytes, max_rows=4, mamba_slots=pl.mamba_slots,
+                        host_cache_bytes=pl.host_cache_bytes, host_page_tokens=page,
+                        host_state_share=pl.host_state_share)
+    async with kvstore(args.kvstore, pl.kvstore_bytes) as address:
         port = KVStorePort([address])
         await port.start()
         store = ShardedKVStore([address])
         try:
             eng = Engine(args.model, ecfg, port)
-            vocab = eng.info.vocab_size
-            _say(f"kvstore {args.kvstore} at {address}; device pool {eng.info.num_slots} slots, "
-                f"host pool {eng.info.host_pages} pages of {args.host_page_tokens} tokens")
+            info = eng.info
+            if info.hybrid != sizes.hybrid or info.bytes_per_mamba_slot != sizes.per_state:
+                raise RuntimeError(f"{args.model}: config.json read as {sizes}, the engine says hybrid={info.hybrid} "
+                                   f"with {info.bytes_per_mamba_slot} bytes per state")
+            if info.host_states < pl.states:
+                raise RuntimeError(f"{info.host_states} host states, one prompt leaves up to {pl.states}")
+            _say(f"kvstore {args.kvstore} at {address}; device pool {info.num_slots} slots, "
+                 f"host pool {info.host_pages} pages of {page} tokens"
+                 + (f", {info.num_mamba_slots} device / {info.host_states} host states" if info.hybrid else ""))
             cfg = LoopConfig(max_prefill_tokens=args.max_prefill_tokens, hicache=HiConfig())
             async with serving(eng, cfg) as tiers:
                 # First-call costs (channels, allocations) stay out of the timed runs.
-                await one_prompt(tiers, store, _prompt(vocab, min(256, min(args.lengths)), -1, args.seed), -1,
-                                 args.timeout_s)
+                await one_prompt(tiers, store, _prompt(info.vocab_size, min(256, min(args.lengths)), -1, args.seed),
+                                 -1, args.timeout_s)
                 samples: list[Sample] = []
                 for length in args.lengths:
                     for rep in range(args.repeats):
-                        got = await one_prompt(tiers, store, _prompt(vocab, length, rep, args.seed), rep,
+                        got = await one_prompt(tiers, store, _prompt(info.vocab_size, length, rep, args.seed), rep,
                                                args.timeout_s)
                         samples += got
                         _say(f"   {length} tokens #{rep}: " + ", ".join(
                             f"{s.tier} {s.ttft_s * 1e3:.0f} ms{'' if s.token_ok and s.tier_ok else ' FAILED'}"
                             for s in got))
-                tiers.mem.check_idle_invariant()
+                tiers.check_idle_invariant()
                 return samples
         finally:
             await store.close()
@@ -399,23 +270,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads; 0 = torch's default")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per request and per settle")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("docs/bench/hicache.json"))
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"the JSON report (default {OUT}, or {OUT_HYBRID} for a hybrid model)")
     args = p.parse_args(argv)
     if not (args.model / "config.json").exists():
-        p.error(f"{args.model} is not a model directory (make models/qwen3-bench/config.json makes one)")
+        p.error(f"{args.model} is not a model directory (make {args.model}/config.json makes one)")
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    sizes = model_sizes(args.model)
+    args.out = args.out or (OUT_HYBRID if sizes.hybrid else OUT)
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    samples = asyncio.run(_run(args))
+    samples = asyncio.run(_run(args, sizes))
     elapsed = time.perf_counter() - t0
     rs = rows(samples)
     goal = next((r.recompute_over["l3"] for r in rs if r.length == GOAL_LENGTH), None)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
+    report = {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
         "rows": [asdict(r) for r in rs],
@@ -423,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         "goal": {"length": GOAL_LENGTH, "recompute_over_l3_at_least": GOAL_RATIO, "measured": goal},
         "ok": all(r.ok for r in rs),
         "elapsed_s": elapsed,
-    }, indent=2) + "\n")
+    }
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(table(rs))
     print(f"\nmedian TTFT of {args.repeats} prompts per length; {elapsed:.0f}s in all")
     if goal is not None:

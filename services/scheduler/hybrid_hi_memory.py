@@ -410,8 +410,8 @@ class HybridHiMemory(HybridMemory):
 
     @property
     def memory_pending(self) -> bool:
-        """Backups hold device nodes until acknowledged; loads and prefetches are on their way."""
-        return bool(self._groups or self.tier_ops or self._backlog)
+        """Backups hold device nodes until acknowledged; loads, prefetches and puts are on their way."""
+        return bool(self._groups or self.tier_ops or self._backlog or self._puts)
 
     @property
     def inflight(self) -> int:

@@ -117,6 +117,11 @@ class HybridMemory(KVMemory):
 
     def _checkpoints(self, req: Req) -> list[int]:
         branches = [req.branch_len, *req.branch_hints]
+        if self.tree_page > 1:
+            # Besides the prompt's end (for the next turn), the last page a resend of the same
+            # prompt can match (its last token is always computed): they differ when the prompt
+            # is whole pages.
+            branches.append(len(req.seq) - 1)
         return checkpoint_positions(
             len(req.seq), self.checkpoint_every, self.tree_page, branches, start=req.cache_len,
             include_end=self.tree_page > 1,

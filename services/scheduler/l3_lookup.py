@@ -58,6 +58,8 @@ async def leading_pages(
     and ask the shards for the leading run present (0 on a slow or broken store)."""
     if not info.l3:
         return 0
+    if info.state_layout:  # a hybrid prompt is matched without its last token: no state after it
+        ids = ids[:-1]
     ns = HashNamespace(info.fingerprint, info.kv_layout, cache_salt=salt)
     keys = page_hashes(ids, info.host_page_tokens, ns)
     if not keys:

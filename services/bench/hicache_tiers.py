@@ -1,0 +1,245 @@
+"""Forcing and proving a tier for ``services.bench.hicache``: the flushes that empty and scribble
+over the device and host tiers, and the counters that say which tier served a request, for a dense
+worker (``HiMemory``) and a hybrid one (``HybridHiMemory``: KV pages *and* Mamba states).
+
+A hybrid prefix is reusable only up to a checkpoint with a state; the scheduler checkpoints a
+prompt at its last whole page and at the last page a resend may match (its last token is always
+computed), so every cached tier reuses ``(L - 1) // page * page`` tokens, as the dense one does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Literal, NamedTuple
+
+from services.scheduler.hi_memory import HiMemory
+from services.scheduler.hybrid_hi_memory import HybridHiMemory
+from services.scheduler.loop import LoopConfig, SchedulerLoop
+from services.scheduler.request import Event, Req
+from services.scheduler.worker_link import InProcessWorkerLink
+
+if TYPE_CHECKING:
+    from services.worker.engine import Engine
+
+Tier = Literal["recompute", "device", "host", "l3"]
+TIERS: tuple[Tier, ...] = ("recompute", "device", "host", "l3")  # the ones tabulated, in order
+
+
+class Counts(NamedTuple):
+    """The counters that say which tier served a request (their growth during it, once subtracted)."""
+
+    load_tokens: int  # tokens loaded from the host pool into the device
+    prefetched_pages: int  # pages prefetched from L3 into the host pool (scheduler's count)
+    worker_l3_pages: int  # pages the worker wrote into its host pool from the kvstore
+    state_loads: int = 0  # hybrid: Mamba states loaded from the host
+    states_prefetched: int = 0  # hybrid: states prefetched from L3 (scheduler's count)
+    worker_l3_states: int = 0  # hybrid: states the worker wrote into its host pool from the kvstore
+
+    def minus(self, before: Counts) -> Counts:
+        return Counts(*(a - b for a, b in zip(self, before, strict=True)))
+
+
+class Tiers(ABC):
+    """The loop's hierarchical memory and the engine's pools, and the flushes that force a tier.
+
+    ``order`` is the sequence of requests one prompt gets; ``cached(tier, n)`` is what a request
+    of that tier must reuse of an ``n``-token prompt, and ``expect`` how the counters must grow."""
+
+    order: tuple[Tier, ...] = TIERS
+    hybrid = False
+
+    def __init__(self, loop: SchedulerLoop, task: asyncio.Task[None], engine: Engine) -> None:
+        self.loop, self.task, self.engine = loop, task, engine
+        assert engine.host is not None, "the worker needs a host pool"
+        self.host = engine.host
+
+    @property
+    @abstractmethod
+    def page(self) -> int:
+        """Tokens per host / L3 page."""
+
+    @abstractmethod
+    def counts(self) -> Counts: ...
+
+    @property
+    @abstractmethod
+    def inflight(self) -> int:
+        """Backups, puts and prefetches sent and not yet acknowledged."""
+
+    @abstractmethod
+    def quiet(self) -> bool:
+        """No backup, put or prefetch in flight or queued."""
+
+    @abstractmethod
+    def flush_device(self) -> None:
+        """Drop every device copy (write_through put each on the host already) and scribble over
+        the device pools, so a prefix can only come back through a load."""
+
+    @abstractmethod
+    def flush_host(self) -> None:
+        """``flush_device``, then drop every host entry and scribble over the host pools."""
+
+    @abstractmethod
+    def check_idle_invariant(self) -> None: ...
+
+    def cached(self, tier: Tier, length: int) -> int:
+        """Whole pages of the prompt less its last token (that token is always computed)."""
+        return 0 if tier == "recompute" else (length - 1) // self.page * self.page
+
+    def expect(self, tier: Tier, cached: int) -> Counts:
+        loaded = cached if tier in ("host", "l3") else 0
+        fetched = cached // self.page if tier == "l3" else 0
+        return Counts(loaded, fetched, fetched)
+
+    async def next_event(self, req: Req, timeout_s: float) -> Event:
+        """``req``'s next event; raises when the loop died instead (its error) or after ``timeout_s``."""
+        get = asyncio.ensure_future(req.events.get())
+        done, _ = await asyncio.wait({get, self.task}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        if get in done:
+            return get.result()
+        get.cancel()
+        if self.task.done():
+            raise RuntimeError("the scheduler loop stopped") from self.task.exception()
+        raise TimeoutError(f"request {req.rid}: no event in {timeout_s:.0f}s")
+
+    async def settle(self, timeout_s: float) -> None:
+        """Wait until the loop is idle and every backup and put it queued was acknowledged (seen
+        twice in a row: an acknowledged backup queues its put for the loop's next plan)."""
+        deadline = time.monotonic() + timeout_s
+        seen = False
+        while True:
+            b = self.loop.batcher
+            assert b is not None
+            if b.idle and self.quiet():
+                if seen:
+                    return
+                seen = True
+            else:
+                seen = False
+            if self.task.done():
+                raise RuntimeError("the scheduler loop stopped") from self.task.exception()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the loop did not settle in {timeout_s:.0f}s: {self.inflight} jobs in flight")
+            await asyncio.sleep(0.01)
+
+
+class DenseTiers(Tiers):
+    def __init__(self, loop: SchedulerLoop, task: asyncio.Task[None], engine: Engine) -> None:
+        super().__init__(loop, task, engine)
+        assert loop.batcher is not None and isinstance(loop.batcher.mem, HiMemory), "a dense worker's HiMemory"
+        self.mem = loop.batcher.mem
+
+    @property
+    def page(self) -> int:
+        return self.mem.hi.page_size
+
+    def counts(self) -> Counts:
+        c = self.mem.counters
+        return Counts(c.load_tokens, c.prefetched_pages, self.host.pages_got)
+
+    @property
+    def inflight(self) -> int:
+        return self.mem.inflight
+
+    def quiet(self) -> bool:
+        return self.mem.inflight == 0 and not self.mem.hi.queued_writes
+
+    def flush_device(self) -> None:
+        hi = self.mem.hi
+        ev = hi.evict_device(hi.evictable_size)
+        if ev.pending or hi.evictable_size or self.mem.slots.available != self.mem.size:
+            raise RuntimeError("device flush incomplete: a device page is still held")
+        kv = self.engine.kv
+        for t in (*kv.k, *kv.v):
+            t.normal_()
+
+    def flush_host(self) -> None:
+        self.flush_device()
+        self.mem.hi.evict_host(self.mem.hi.host_evictable_size)
+        if self.mem.host.available != self.mem.host.num_pages:
+            raise RuntimeError("host flush incomplete: a host page is still held")
+        self.host.pool.pages.normal_()
+
+    def check_idle_invariant(self) -> None:
+        self.mem.check_idle_invariant()
+
+
+class HybridTiers(Tiers):
+    """Pages and Mamba states: a cached tier also loads (or prefetches) the state at the prefix's
+    end."""
+
+    hybrid = True
+
+    def __init__(self, loop: SchedulerLoop, task: asyncio.Task[None], engine: Engine) -> None:
+        super().__init__(loop, task, engine)
+        b = loop.batcher
+        assert b is not None and isinstance(b.mem, HybridHiMemory), "a hybrid worker's HybridHiMemory"
+        assert b.mem.mcache is not None and engine.mamba is not None and self.host.states is not None
+        self.mem, self.tree, self.mamba, self.host_states = b.mem, b.mem.mcache, engine.mamba, self.host.states
+
+    @property
+    def page(self) -> int:
+        return self.mem.tree_page
+
+    def expect(self, tier: Tier, cached: int) -> Counts:
+        kv = super().expect(tier, cached)
+        one = int(tier == "l3")
+        return kv._replace(state_loads=int(tier in ("host", "l3")), states_prefetched=one, worker_l3_states=one)
+
+    def counts(self) -> Counts:
+        c, h = self.mem.counters, self.host
+        return Counts(c.load_tokens, c.prefetched_pages, h.pages_got, c.state_loads, c.states_prefetched,
+                      h.states_got)
+
+    @property
+    def inflight(self) -> int:
+        return self.mem.inflight
+
+    def quiet(self) -> bool:
+        return self.mem.inflight == 0 and not self.mem.memory_pending
+
+    def flush_device(self) -> None:
+        tree, mem = self.tree, self.mem
+        tree.evict(tree.evictable_size)
+        tree.evict_mamba(tree.mamba_evictable)
+        if (tree.evictable_size or tree.mamba_evictable or tree.mamba_protected
+                or mem.slots.available != mem.size or mem.states.available != mem.states.size):
+            raise RuntimeError("device flush incomplete: a device page or state is still held")
+        kv = self.engine.kv
+        for t in (*kv.k, *kv.v, *self.mamba.conv, *self.mamba.ssm):
+            t.normal_()
+
+    def flush_host(self) -> None:
+        self.flush_device()
+        self.mem.kv_host.evict(len(self.mem.kv_host))
+        self.mem.state_host.evict(len(self.mem.state_host))
+        if len(self.mem.kv_host) or len(self.mem.state_host):
+            raise RuntimeError("host flush incomplete: a host page or state is still held")
+        self.host.pool.pages.normal_()
+        self.host_states.states.random_(0, 256)
+
+    def check_idle_invariant(self) -> None:
+        self.mem.check_idle_invariant()
+
+
+@asynccontextmanager
+async def serving(eng: Engine, cfg: LoopConfig) -> AsyncIterator[Tiers]:
+    """A scheduler loop serving ``eng`` in this process, for as long as the block runs; the loop
+    picks its memory from the worker's info, and so do the tiers."""
+    loop = SchedulerLoop(cfg)
+    link = InProcessWorkerLink(eng)
+    loop.attach(link)
+    stop = asyncio.Event()
+    task = asyncio.create_task(loop.run(stop))
+    try:
+        yield (HybridTiers if link.info.hybrid else DenseTiers)(loop, task, eng)
+    finally:
+        stop.set()
+        await asyncio.wait({task}, timeout=10.0)
+        if not task.done():
+            task.cancel()
+        await link.close()
