@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -85,6 +86,19 @@ class HiCounters:
     backup_pages: int = 0
     put_pages: int = 0
     failed_jobs: int = 0
+
+
+def wait_for_prefetch(req: Req, start: Callable[[Req, float], PrefetchTracker | None]) -> bool:
+    """Whether ``req`` should wait for its L3 prefetch, started by ``start(req, now)`` on the first
+    call (None: no prefetch pays, do not wait); the tracker's stop policy decides after that."""
+    t: PrefetchTracker | None = req.prefetch
+    now = time.monotonic()
+    if t is None:
+        t = start(req, now)
+        if t is None:
+            return False
+    t.expire(now)
+    return not t.may_admit(now)
 
 
 class HiMemory(KVMemory):
@@ -161,14 +175,7 @@ class HiMemory(KVMemory):
 
     def hold(self, req: Req) -> bool:
         """Whether ``req`` should wait for an L3 prefetch (starting one when it pays)."""
-        t: PrefetchTracker | None = req.prefetch
-        now = time.monotonic()
-        if t is None:
-            t = self._start_prefetch(req, now)
-            if t is None:
-                return False
-        t.expire(now)
-        return not t.may_admit(now)
+        return wait_for_prefetch(req, self._start_prefetch)
 
     def _start_prefetch(self, req: Req, now: float) -> PrefetchTracker | None:
         hi = self.hi

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -52,7 +51,7 @@ from services.scheduler.cache.base import CacheHandle, CacheKey
 from services.scheduler.cache.hiradix_policy import PrefetchTracker, should_prefetch
 from services.scheduler.cache.host_index import HostIndex
 from services.scheduler.cache.mamba_policy import StatePolicy
-from services.scheduler.hi_memory import HiConfig, HiCounters
+from services.scheduler.hi_memory import HiConfig, HiCounters, wait_for_prefetch
 from services.scheduler.host_alloc import HostPageAllocator
 from services.scheduler.hybrid_memory import HybridMemory
 from services.scheduler.request import Req
@@ -215,14 +214,7 @@ class HybridHiMemory(HybridMemory):
 
     def hold(self, req: Req) -> bool:
         """Whether ``req`` should wait for an L3 prefetch (starting one when it pays)."""
-        t: PrefetchTracker | None = req.prefetch
-        now = time.monotonic()
-        if t is None:
-            t = self._start_prefetch(req, now)
-            if t is None:
-                return False
-        t.expire(now)
-        return not t.may_admit(now)
+        return wait_for_prefetch(req, self._start_prefetch)
 
     def _start_prefetch(self, req: Req, now: float) -> PrefetchTracker | None:
         if not self.l3 or req.l3_pages <= 0 or self.mcache is None:
