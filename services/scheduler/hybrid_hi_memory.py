@@ -42,17 +42,17 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
 from services.common.page_hash import HashNamespace, page_hashes, state_key
-from services.common.step import CacheOp, HostBackup, HostLoad, JobResult, L3Get, L3Put, StateBackup, StateLoad
+from services.common.step import CacheOp, HostLoad, JobResult, StateLoad
 from services.scheduler.cache.base import CacheHandle, CacheKey
 from services.scheduler.cache.hiradix_policy import PrefetchTracker, should_prefetch
 from services.scheduler.cache.host_index import HostIndex
 from services.scheduler.cache.mamba_policy import StatePolicy
 from services.scheduler.hi_memory import HiConfig, HiCounters, wait_for_prefetch
 from services.scheduler.host_alloc import HostPageAllocator
+from services.scheduler.hybrid_host_jobs import Group, group_ops, land
 from services.scheduler.hybrid_memory import HybridMemory
 from services.scheduler.request import Req
 
@@ -66,26 +66,6 @@ class HybridHiCounters(HiCounters):
     state_puts: int = 0
     states_prefetched: int = 0
     refused: int = 0  # backups / puts / prefetches skipped: in-flight bound or no host room
-
-
-@dataclass(slots=True)
-class _Group:
-    """One backup, put or prefetch: a pages op and/or a state op, finished when both are acked."""
-
-    kind: Literal["backup", "put", "prefetch"]
-    keys: list[bytes]  # page keys, in order
-    pages: list[int]  # their host pages (reserved for backup / prefetch)
-    skey: bytes | None  # the state's key, when a state takes part
-    state: int | None  # its host state slot
-    kv_job: int = 0
-    state_job: int = 0
-    waiting: int = 0  # ops sent and not yet acknowledged
-    kv_done: int = 0  # pages the pages op wrote or stored
-    state_ok: bool = False
-    node: CacheHandle | None = None  # backup: the device node locked until acked
-    pins: list[bytes] = field(default_factory=list)  # host page keys pinned until acked
-    spins: list[bytes] = field(default_factory=list)  # host state keys pinned until acked
-    tracker: PrefetchTracker | None = None
 
 
 class HybridHiMemory(HybridMemory):
@@ -127,7 +107,7 @@ class HybridHiMemory(HybridMemory):
         self.tier_ops: list[CacheOp] = []  # loads and prefetches planned since the last step
         self._backlog: list[tuple[CacheHandle, CacheKey, int]] = []  # (locked node, key, state slot)
         self._puts: list[tuple[list[bytes], bytes | None]] = []  # acked backups to put to L3
-        self._groups: dict[int, _Group] = {}  # job id -> its group
+        self._groups: dict[int, Group] = {}  # job id -> its group
         self._busy = 0  # groups in flight (bounded by cfg.max_inflight_jobs with the backlog)
         self._incoming: set[bytes] = set()  # keys a backup is writing to the host
         self._ids = itertools.count(1)
@@ -241,7 +221,7 @@ class HybridHiMemory(HybridMemory):
             self.kv_host.release(pages)
             self.counters.refused += 1
             return None
-        g = _Group("prefetch", keys[start:top], pages, self._skey(keys[top - 1]), hs[0])
+        g = Group("prefetch", keys[start:top], pages, self._skey(keys[top - 1]), hs[0])
         g.pins = self.kv_host.pin(keys[d // self.tree_page : start])
         self._send(g, self.tier_ops, get=True)
         cfg = self.cfg
@@ -294,7 +274,7 @@ class HybridHiMemory(HybridMemory):
             return
         slots = self.mcache.kv_path(key)
         assert len(slots) == len(key.tokens), "a locked node keeps its path"
-        g = _Group("backup", [keys[i] for i in missing], pages, skey if hs else None, hs[0] if hs else None)
+        g = Group("backup", [keys[i] for i in missing], pages, skey if hs else None, hs[0] if hs else None)
         g.node = node
         self._incoming.update(g.keys)
         if g.skey is not None:
@@ -312,7 +292,7 @@ class HybridHiMemory(HybridMemory):
         if self._full():
             self.counters.refused += 1
             return
-        g = _Group("put", keys, [self.kv_host.get(k).index for k in keys],  # type: ignore[union-attr]
+        g = Group("put", keys, [self.kv_host.get(k).index for k in keys],  # type: ignore[union-attr]
                    skey if se is not None else None, se.index if se is not None else None)
         g.pins = self.kv_host.pin(keys)
         g.spins = self.state_host.pin([skey]) if se is not None and skey is not None else []
@@ -321,29 +301,13 @@ class HybridHiMemory(HybridMemory):
     def _full(self) -> bool:
         return self._busy + len(self._backlog) >= self.cfg.max_inflight_jobs
 
-    def _send(self, g: _Group, ops: list[CacheOp], *, get: bool = False,
+    def _send(self, g: Group, ops: list[CacheOp], *, get: bool = False,
               backup_slots: tuple[tuple[int, ...], int] | None = None) -> None:
-        """Turn a group into its ops (pages first, then the state) and remember its job ids."""
-        if g.pages:
-            g.kv_job = next(self._ids)
-            if backup_slots is not None:
-                ops.append(HostBackup(g.kv_job, backup_slots[0], tuple(g.pages)))
-            elif get:
-                ops.append(L3Get(g.kv_job, tuple(g.keys), tuple(g.pages)))
-            else:
-                ops.append(L3Put(g.kv_job, tuple(g.pages), tuple(g.keys)))
-            self._groups[g.kv_job] = g
-            g.waiting += 1
-        if g.state is not None and g.skey is not None:
-            g.state_job = next(self._ids)
-            if backup_slots is not None:
-                ops.append(StateBackup(g.state_job, (backup_slots[1],), (g.state,)))
-            elif get:
-                ops.append(L3Get(g.state_job, (g.skey,), (g.state,), states=True))
-            else:
-                ops.append(L3Put(g.state_job, (g.state,), (g.skey,), states=True))
-            self._groups[g.state_job] = g
-            g.waiting += 1
+        """Put a group's ops into ``ops`` and remember its job ids."""
+        ops.extend(group_ops(g, self._ids, get=get, backup_slots=backup_slots))
+        for job in (g.kv_job, g.state_job):
+            if job:
+                self._groups[job] = g
         self._busy += 1
 
     # -- acknowledgements -----------------------------------------------------------------------
@@ -363,29 +327,13 @@ class HybridHiMemory(HybridMemory):
             if not g.waiting:
                 self._finish(g)
 
-    def _finish(self, g: _Group) -> None:
+    def _finish(self, g: Group) -> None:
         self._busy -= 1
-        got = g.kv_done
-        state_ok = g.state_ok and (g.kind != "prefetch" or got == len(g.pages))
+        got, state_ok = land(g, self.kv_host, self.state_host)
         if g.kind == "put":
-            for k in g.keys[:got]:
-                self.kv_host.get(k).l3 = True  # type: ignore[union-attr]
-            if state_ok and g.skey is not None:
-                self.state_host.get(g.skey).l3 = True  # type: ignore[union-attr]
             self.counters.put_pages += got
             self.counters.state_puts += state_ok
-        else:
-            for k, p in reversed(list(zip(g.keys[:got], g.pages[:got], strict=True))):
-                self.kv_host.add(k, p)
-            self.kv_host.release(g.pages[got:])
-            if g.state is not None and g.skey is not None:
-                if state_ok:
-                    self.state_host.add(g.skey, g.state)
-                else:
-                    self.state_host.release([g.state])
-        self.kv_host.unpin(g.pins)
-        self.state_host.unpin(g.spins)
-        if g.kind == "backup":
+        elif g.kind == "backup":
             self._incoming.difference_update(g.keys)
             self._incoming.discard(g.skey or b"")
             assert g.node is not None and self.mcache is not None
