@@ -16,6 +16,13 @@ Reported per run: completed requests, total tokens/s over both phases, retractio
 elastic run the pool memory the worker still holds after ``--idle-s`` of idleness against the
 live working set it must keep (the minimum capacities). Writes ``--out`` (JSON) and prints a
 markdown table. Progress goes to stderr.
+
+``--repeats N`` runs every configuration N times, interleaved (round ``i`` starts ``i`` runs
+further down the list, so no configuration always runs first or last on a machine whose load
+drifts), and reports the median of each figure with the tokens/s spread; the elastic run is also
+compared with the best static split round by round (paired ratios), which cancels load that
+changes between rounds. ``--runs`` picks a subset (for quick checks; the full set is the
+benchmark).
 """
 
 from __future__ import annotations
@@ -23,10 +30,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +56,34 @@ class Result:
     resizes: int
     idle_committed_mib: float
     working_set_mib: float
+    cpu_s: float  # CPU seconds this process spent over both phases (all threads)
+    others_cpu_s: float  # CPU seconds other processes took meanwhile (load that slows wall-clock figures)
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    key: str  # what --runs names it by
+    label: str
+    kv_bytes: int
+    mamba_slots: int
+    elastic: bool
+
+
+RUN_KEYS = ("default", "25", "50", "75", "elastic")
+
+
+def median_result(rs: list[Result]) -> Result:
+    """Per-field median of one configuration's repeats (the start capacities are the same in all)."""
+    vals: dict[str, Any] = {}
+    for f in fields(Result):
+        xs = [getattr(r, f.name) for r in rs]
+        if f.name == "label":
+            vals[f.name] = xs[0]
+        elif isinstance(xs[0], int):
+            vals[f.name] = int(statistics.median_low(xs))
+        else:
+            vals[f.name] = statistics.median(xs)
+    return Result(**vals)
 
 
 def _say(msg: str) -> None:
@@ -95,11 +132,13 @@ def run_one(label: str, args: argparse.Namespace, kv_bytes: int, mamba_slots: in
 
     async def go() -> tuple[int, int, int, float]:
         async with InProcessBackend(eng, cfg, label) as b:
-            t0 = time.perf_counter()
+            t0, cpu0, busy0 = time.perf_counter(), time.process_time(), _machine_busy_s()
             c1, r1, n1 = await _phase(b, phases[0], args.out_len)
             _say(f"   phase 1: {c1} done, {r1} rejected, {time.perf_counter() - t0:.0f}s")
             c2, r2, n2 = await _phase(b, phases[1], args.out_len)
             dt = time.perf_counter() - t0
+            info["cpu_s"] = time.process_time() - cpu0
+            info["others_cpu_s"] = max(0.0, _machine_busy_s() - busy0 - info["cpu_s"])
             _say(f"   phase 2: {c2} done, {r2} rejected, {dt:.0f}s in all")
             assert b.loop is not None and b.loop.batcher is not None
             batcher = b.loop.batcher
@@ -114,10 +153,22 @@ def run_one(label: str, args: argparse.Namespace, kv_bytes: int, mamba_slots: in
 
     _say(f"-- {label}: KV {eng.kv.num_slots} slots, {eng.info.num_mamba_slots} states")
     completed, rejected, tokens, dt = asyncio.run(go())
+    _say(f"   {tokens / dt:.0f} tokens/s; CPU {info['cpu_s']:.1f}s, others {info['others_cpu_s']:.1f}s")
     committed = eng.kv.committed_bytes + (eng.mamba.committed_bytes if eng.mamba is not None else 0)
     return Result(label, eng.info.num_slots, eng.info.num_mamba_slots, completed, rejected, dt, tokens / dt,
                   info.get("retractions", 0), info.get("resizes", 0), committed / 2**20,
-                  info.get("working_set", committed) / 2**20)
+                  info.get("working_set", committed) / 2**20, info["cpu_s"], info["others_cpu_s"])
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds the whole machine has been busy (all cores; Linux ``/proc/stat``, else 0)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return 0.0
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,7 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle-s", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("docs/bench/elastic.json"))
+    p.add_argument("--repeats", type=int, default=1, help="runs of every configuration, interleaved; medians")
+    p.add_argument("--runs", default="", help=f"comma-separated subset of {','.join(RUN_KEYS)} (default: all)")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
     from services.worker.engine import Engine, EngineConfig
 
     probe = Engine(args.model, EngineConfig(kv_cache_bytes=1 << 20, max_rows=1, mamba_slots=1))
@@ -152,35 +207,76 @@ def main(argv: list[str] | None = None) -> int:
 
     default_states = 3 * args.rows
     default_kv = args.budget - default_states * m_b
-    runs: list[tuple[str, int, int, bool]] = []
+    runs: list[Run] = []
     has_default = default_kv >= (args.long_len + args.out_len) * kv_b
     if has_default:
-        runs.append((f"static default ({default_states} states)", default_kv, default_states, False))
+        runs.append(Run("default", f"static default ({default_states} states)", default_kv, default_states, False))
     for share in (0.25, 0.5, 0.75):
         kv, states = split(share)
         # Without room for 3 states per row, the even split stands in for the default.
         name = "static default = even split" if share == 0.5 and not has_default else f"static {share:.0%} KV"
-        runs.append((f"{name} ({states} states)", kv, states, False))
-    runs.append(("elastic", (args.long_len + args.out_len) * kv_b, 1, True))
+        runs.append(Run(f"{share * 100:.0f}", f"{name} ({states} states)", kv, states, False))
+    runs.append(Run("elastic", "elastic", (args.long_len + args.out_len) * kv_b, 1, True))
+    if args.runs:
+        keep = set(args.runs.split(","))
+        if not keep <= set(RUN_KEYS):
+            p.error(f"--runs takes a comma-separated subset of {','.join(RUN_KEYS)}, got {args.runs!r}")
+        runs = [run for run in runs if run.key in keep]
     t0 = time.perf_counter()
-    results = [run_one(label, args, kv, st, el, phases) for label, kv, st, el in runs]
+    by_label: dict[str, list[Result]] = {run.label: [] for run in runs}
+    for i in range(args.repeats):
+        order = runs[i % len(runs):] + runs[: i % len(runs)]
+        if args.repeats > 1:
+            _say(f"== round {i + 1} of {args.repeats}")
+        for run in order:
+            by_label[run.label].append(run_one(run.label, args, run.kv_bytes, run.mamba_slots, run.elastic, phases))
+    results = [median_result(by_label[run.label]) for run in runs]
+    static = [r for r in results if r.label != "elastic"]
+    el = next((r for r in results if r.label == "elastic"), None)
+    best = max(static, key=lambda r: (r.completed, r.tokens_per_s)) if static else None
+    default = next((r for r in static if "default" in r.label), None)
+
+    def paired(other: Result | None) -> list[float]:
+        if el is None or other is None:
+            return []
+        pairs = zip(by_label["elastic"], by_label[other.label], strict=True)
+        return [e.tokens_per_s / o.tokens_per_s for e, o in pairs]
+
+    vs_best, vs_default = paired(best), paired(default)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "budget_bytes": args.budget, "kv_bytes_per_slot": kv_b, "mamba_bytes_per_slot": m_b,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "results": [asdict(r) for r in results], "elapsed_s": time.perf_counter() - t0,
+        "results": [asdict(r) for r in results],  # medians over the repeats
+        "repeats": {label: [asdict(r) for r in rs] for label, rs in by_label.items()},
+        "elastic_vs_best_static": {"best": best.label if best else None, "median_ratio": _median(vs_best),
+                                   "paired_ratios": vs_best},
+        "elastic_vs_default": {"default": default.label if default else None, "median_ratio": _median(vs_default),
+                               "paired_ratios": vs_default},
+        "elapsed_s": time.perf_counter() - t0,
     }, indent=2) + "\n")
-    print("| run | KV slots at start | states at start | completed | rejected | tokens/s | retractions | resizes | "
-          "pool MiB when idle | working set MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    reps = f" (median of {args.repeats})" if args.repeats > 1 else ""
+    print(f"| run | KV slots at start | states at start | completed | rejected | tokens/s{reps} | tokens/s min-max | "
+          "retractions | resizes | pool MiB when idle | working set MiB | CPU s | others' CPU s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
+        tps = [x.tokens_per_s for x in by_label[r.label]]
         print(f"| {r.label} | {r.kv_slots} | {r.mamba_slots} | {r.completed} | {r.rejected} | {r.tokens_per_s:.0f} | "
-              f"{r.retractions} | {r.resizes} | {r.idle_committed_mib:.1f} | {r.working_set_mib:.1f} |")
-    el, static = results[-1], results[:-1]
-    best = max(static, key=lambda r: (r.completed, r.tokens_per_s))
-    print(f"\nelastic / best static ({best.label}) tokens/s: {el.tokens_per_s / best.tokens_per_s:.3f}; "
-          f"idle footprint / working set: {el.idle_committed_mib / max(el.working_set_mib, 1e-9):.2f}")
+              f"{min(tps):.0f}-{max(tps):.0f} | {r.retractions} | {r.resizes} | {r.idle_committed_mib:.1f} | "
+              f"{r.working_set_mib:.1f} | {r.cpu_s:.1f} | {r.others_cpu_s:.1f} |")
+    if el is not None and best is not None:
+        print(f"\nelastic / best static ({best.label}) tokens/s: {el.tokens_per_s / best.tokens_per_s:.3f} "
+              f"(medians); paired by round: median {_median(vs_best):.3f}, "
+              f"range {min(vs_best):.3f}-{max(vs_best):.3f}")
+        if default is not None:
+            print(f"elastic / default ({default.label}) tokens/s: {el.tokens_per_s / default.tokens_per_s:.3f} "
+                  f"(medians); paired by round: median {_median(vs_default):.3f}")
+        print(f"idle footprint / working set: {el.idle_committed_mib / max(el.working_set_mib, 1e-9):.2f}")
     return 0
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Elastic pools in the loop: demand → orchestrator → allocator limits → ``PoolResize`` ops.
 
 Once per plan, before anything is scheduled, ``ElasticControl.before_plan`` takes a ``Demand``
-snapshot (slots held by requests or locked in the cache, what the waiting queue needs, how long
-the loop has been idle) and asks the ``Orchestrator`` for target capacities. Then, per pool:
+snapshot (slots held by requests or locked in the cache, what each waiting request that has a
+free row to be admitted into needs, how long the loop has been idle) and asks the
+``Orchestrator`` for target capacities. Then, per pool:
 
 - **grow**: the allocator's limit moves up at once and the step being planned carries
   ``PoolResize`` as its first op (the worker validates later ops and inputs against the new
@@ -30,7 +31,7 @@ from services.common.step import PoolResize, WorkerInfo
 from services.scheduler.budget_ledger import BudgetLedger
 from services.scheduler.hybrid_memory import HybridMemory
 from services.scheduler.memory import KVMemory
-from services.scheduler.orchestrator import Demand, Orchestrator, ResizePlan
+from services.scheduler.orchestrator import Demand, Need, Orchestrator, ResizePlan
 from services.scheduler.request import Req
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,8 @@ class ElasticControl:
         self.orch = Orchestrator(
             cfg.budget_bytes, info.bytes_per_slot, m_bytes, min(min_kv, info.max_slots), min_m,
             info.pool_page_bytes, kv_slot_multiple=unit, mamba_slot_multiple=max(1, info.mamba_slot_granularity),
-            idle_s=cfg.idle_s, headroom=cfg.headroom,
+            idle_s=cfg.idle_s, headroom=cfg.headroom, max_kv_slots=info.max_slots,
+            max_mamba_slots=max(min_m, info.max_mamba_slots) if info.hybrid else None,
         )
         start = ResizePlan(self._kv_start(min_kv), min_m)
         self.orch.applied(start)
@@ -89,18 +91,21 @@ class ElasticControl:
         # but unlocked entries are not live (a shrink evicts them), and held slots above a shrink
         # target are waited for (the shrink is lazy), so a target may lie below a held slot.
         u = self.mem.usage()
-        kv_wait = sum(len(r.prompt) + len(r.output) + r.gen.max_new_tokens for r in waiting)
-        kv_wait = min(kv_wait, self.info.max_slots)
         h = self.hybrid
         m_live = 0
         if h is not None:
             m_live = h.states.size + h.states.shrink_pending - h.states.available
             m_live -= h.mcache.mamba_evictable if h.mcache is not None else 0
-        return Demand(
+        # Only the requests that find a free row can be admitted now; the others wait for running
+        # requests to finish and then reuse the slots and states those free. Counting them would
+        # ask for memory no request can use (and, over the budget, squeeze the other pool for it).
+        # A request needs its whole length (prompt and every new token) and one working state.
+        admissible = waiting[: self.mem.rows.available]
+        queue = [Need(len(r.prompt) + r.gen.max_new_tokens, 1 if h is not None else 0) for r in admissible]
+        return Demand.of_queue(
             kv_live=min(u.size - u.free - u.evictable, self.sent.kv_slots),
-            kv_waiting=kv_wait,
             mamba_live=min(m_live, self.sent.mamba_slots),
-            mamba_waiting=len(waiting) if self.hybrid is not None else 0,
+            queue=queue,
             idle_for_s=0.0 if busy else now - self._last_busy,
         )
 
