@@ -43,7 +43,7 @@ bench-hybrid: install $(BENCH_MODEL)/config.json $(BENCH_NEXT)/config.json
 # Elastic KV + Mamba pools vs static splits of one budget on a phase-changing load (~3 min);
 # writes docs/bench/elastic.json and prints the table of docs/benchmarks.md.
 bench-elastic: install $(BENCH_NEXT)/config.json
-	$(BIN)/python -m services.bench.elastic --model $(BENCH_NEXT)
+	$(BIN)/python -m services.bench.elastic --model $(BENCH_NEXT) --repeats 7
 
 $(BENCH_NEXT)/config.json: | install
 	$(BIN)/strata model tiny --arch qwen3-next --size bench --out $(BENCH_NEXT)
