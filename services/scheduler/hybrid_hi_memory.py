@@ -170,14 +170,15 @@ class HybridHiMemory(HybridMemory):
         new, spare = got[: end - d], got[end - d :]
         if spare:
             self.slots.free(self._pages(spare))
-        sentry = self.state_host.get(self._skey(keys[q - 1]))
+        skey = self._skey(keys[q - 1])
+        sentry = self.state_host.get(skey)
         assert sentry is not None
         if new:
             host_pages = tuple(self.kv_host.get(k).index for k in keys[d // ps : q])  # type: ignore[union-attr]
             self.tier_ops.append(HostLoad(next(self._ids), host_pages, tuple(new)))
         self.tier_ops.append(StateLoad(next(self._ids), (sentry.index,), (state,)))
         self.kv_host.touch(keys[:q])
-        self.state_host.touch([self._skey(keys[q - 1])])
+        self.state_host.touch([skey])
         pkey = CacheKey(key.tokens[:end], key.extra)
         res = self.mcache.insert_checkpoint(pkey, dev + new, state)
         assert res.cached_len == d, (res.cached_len, d)
@@ -263,13 +264,15 @@ class HybridHiMemory(HybridMemory):
         skey = self._skey(keys[-1])
         missing = [i for i, k in enumerate(keys) if k not in self.kv_host and k not in self._incoming]
         need_state = skey not in self.state_host and skey not in self._incoming
-        pages = self.kv_host.reserve(len(missing)) if need_state or missing else None
+        if not missing and not need_state:  # the host has it all, or is getting it
+            self.mcache.unlock(node)
+            return
+        pages = self.kv_host.reserve(len(missing))
         hs = self.state_host.reserve(1) if need_state and pages is not None else []
-        if pages is None or hs is None:
+        if pages is None or hs is None:  # no host room that is not pinned
             if pages:
                 self.kv_host.release(pages)
-            if need_state or missing:
-                self.counters.refused += 1
+            self.counters.refused += 1
             self.mcache.unlock(node)
             return
         slots = self.mcache.kv_path(key)
