@@ -24,6 +24,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels.attention_cpu import AttentionPlan, plan_attention
+from kernels.prefix_groups import PrefixGroups, find_prefix_groups
+
 if TYPE_CHECKING:
     from services.worker.mamba_pool import MambaPool
     from services.worker.pools import KVPool
@@ -67,6 +70,8 @@ class ForwardBatch:
     mamba_slots: torch.Tensor | None
     start_pos_list: list[int]
     extend_lens_list: list[int]
+    prefix_groups: PrefixGroups | None = None
+    attn_plan: AttentionPlan | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -83,12 +88,22 @@ class ForwardBatch:
 
     @classmethod
     def build(
-        cls, entries: list[BatchEntry], device: torch.device, all_logits: bool = False
+        cls,
+        entries: list[BatchEntry],
+        device: torch.device,
+        all_logits: bool = False,
+        slot_table: torch.Tensor | None = None,
+        attention: str = "reference",
     ) -> ForwardBatch:
         """Flatten ``entries`` (non-empty, each with >= 1 token, validated by the caller).
 
         ``all_logits`` asks for the logits of every new token (exactness tests); otherwise only
         the last token of each entry with ``want_logits`` gets logits.
+
+        ``attention`` (``EngineConfig.attention``) with ``slot_table`` (the CPU copy of
+        ``req_to_token``, already holding this step's slots): ``cascade`` finds the prefix groups;
+        on a CPU device ``cascade`` and ``flat`` also plan the fast attention path once for every
+        layer. ``reference`` plans nothing (the models fall back to the reference kernels).
         """
         if not entries:
             raise ValueError("ForwardBatch.build needs at least one entry")
@@ -122,11 +137,19 @@ class ForwardBatch:
         if any(has_mamba) and not all(has_mamba):
             raise ValueError("either every entry of a batch has a mamba_slot or none has")
         mamba = t([e.mamba_slot for e in entries if e.mamba_slot is not None]) if all(has_mamba) else None
+        rows = [e.row for e in entries]
+        groups: PrefixGroups | None = None
+        plan: AttentionPlan | None = None
+        if attention != "reference" and slot_table is not None:
+            if attention == "cascade":
+                groups = find_prefix_groups(slot_table, rows, start, device)
+            if device.type == "cpu":
+                plan = plan_attention(slot_table, rows, start, lens, groups)
         return cls(
             input_ids=t(ids),
             positions=t(positions),
             out_slots=t(slots),
-            rows=t([e.row for e in entries]),
+            rows=t(rows),
             start_pos=t(start),
             extend_lens=t(lens),
             seq_lens=t([s + n for s, n in zip(start, lens, strict=True)]),
@@ -135,6 +158,8 @@ class ForwardBatch:
             mamba_slots=mamba,
             start_pos_list=start,
             extend_lens_list=lens,
+            prefix_groups=groups,
+            attn_plan=plan,
         )
 
 
@@ -154,3 +179,4 @@ class ForwardContext:
     kv: KVPool
     req_to_token: torch.Tensor
     mamba: MambaPool | None = None
+    attention: str = "reference"  # EngineConfig.attention

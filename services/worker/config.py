@@ -38,6 +38,10 @@ class WorkerConfig:
     host_state_share: float = field(default=0.25, metadata=_h(
         "hierarchical cache, hybrid models: share of host_cache_bytes for Mamba states (the rest holds KV "
         "pages); in (0, 1)"))
+    attention: Literal["cascade", "flat", "reference"] = field(default="cascade", metadata=_h(
+        "attention path: cascade = requests sharing a cached prefix attend to it once per group; flat = "
+        "each request on its own; reference = the slow torch reference (for comparison)"))
+    threads: int = field(default=0, metadata=_h("torch threads for the forward; 0 = one per core"))
     l3: bool = field(default=False, metadata=_h(
         "hierarchical cache: put and get pages on the kvstore shards found through etcd"))
     metrics_port: int = field(default=-1, metadata=_h("Prometheus port; -1 = off, 0 = pick"))
@@ -65,5 +69,7 @@ class WorkerConfig:
             raise ConfigError(f"host_page_tokens: must be a positive multiple of page_size ({self.page_size})")
         if not 0.0 < self.host_state_share < 1.0:
             raise ConfigError(f"host_state_share: must be > 0 and < 1, got {self.host_state_share}")
+        if self.threads < 0:
+            raise ConfigError("threads: must be >= 0 (0 = one per core)")
         if self.l3 and not (self.etcd and self.host_cache_bytes):
             raise ConfigError("l3: needs --etcd (to find the kvstore shards) and --host-cache-bytes > 0")

@@ -136,7 +136,7 @@ class Engine:
             host_states=host_states.num_states if host_states else 0,
             state_layout=f"{host_states.layout}/tp0of1" if host_states else "",
         )
-        self._ctx = ForwardContext(self.kv, self.req_to_token.table, self.mamba)
+        self._ctx = ForwardContext(self.kv, self.req_to_token.table, self.mamba, cfg.attention)
         self._last_sample: dict[int, int] = {}
         self._row_len: dict[int, int] = {}
         self._history: dict[int, list[int]] = {}
@@ -290,7 +290,9 @@ class Engine:
             if r.history_ids:
                 self._history[r.row] = list(r.history_ids)
             entries.append(BatchEntry(r.row, r.start_pos, ids, list(r.new_slots), r.mamba_slot, r.sample))
-        batch = ForwardBatch.build(entries, self.device, all_logits=all_logits)
+        batch = ForwardBatch.build(
+            entries, self.device, all_logits=all_logits, slot_table=self.req_to_token.host, attention=self.cfg.attention
+        )
         return self.model.forward(batch, self._ctx)
 
     def _sample(

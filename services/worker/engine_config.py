@@ -8,6 +8,11 @@ from typing import Literal
 import torch
 
 DType = Literal["float32", "bfloat16", "float16"]
+AttentionPath = Literal["cascade", "flat", "reference"]
+"""``cascade``: prefix-shared attention (requests sharing a slot run attend to it once per group) over
+the fast path; ``flat``: the fast path, every request on its own; ``reference``: the torch reference
+kernels (whole rows gathered token by token, padded to the longest) — the slow path kept for
+comparison and as the truth the others are tested against."""
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -49,6 +54,8 @@ class EngineConfig:
     host_cache_bytes: int = 0
     host_page_tokens: int = 64
     host_state_share: float = 0.25
+    attention: AttentionPath = "cascade"
+    threads: int = 0  # torch intra-op threads; 0 = torch's default (one per core)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -70,6 +77,12 @@ class EngineConfig:
                 "EngineConfig.host_state_share (the share of host_cache_bytes for Mamba states on hybrid "
                 f"models) must be > 0 and < 1, got {self.host_state_share}"
             )
+        if self.attention not in ("cascade", "flat", "reference"):
+            raise ValueError(
+                f"EngineConfig.attention must be 'cascade', 'flat' or 'reference', got {self.attention!r}"
+            )
+        if self.threads < 0:
+            raise ValueError(f"EngineConfig.threads must be >= 0 (0 = torch's default), got {self.threads}")
         if self.mamba_slots < 0:
             raise ValueError(f"EngineConfig.mamba_slots must be >= 0, got {self.mamba_slots}")
         if self.kv_max_bytes and self.kv_max_bytes < self.kv_cache_bytes:

@@ -180,7 +180,7 @@ class ReqToTokenTable:
     up to the sequence length of the step that wrote it) but clearing keeps dumps readable.
     """
 
-    __slots__ = ("max_context", "num_rows", "table")
+    __slots__ = ("host", "max_context", "num_rows", "table")
 
     def __init__(self, num_rows: int, max_context: int, device: torch.device | str = "cpu") -> None:
         if num_rows < 1:
@@ -190,6 +190,9 @@ class ReqToTokenTable:
         self.num_rows = num_rows
         self.max_context = max_context
         self.table = torch.zeros((num_rows, max_context), dtype=torch.int64, device=torch.device(device))
+        # A host copy for the planning that runs on the CPU (prefix groups): the table itself on the
+        # CPU, a mirror written alongside it when the table lives on an accelerator.
+        self.host = self.table if self.table.device.type == "cpu" else torch.zeros_like(self.table, device="cpu")
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         """``table[row, start : start + len(slots)] := slots`` (bounds checked)."""
@@ -199,9 +202,13 @@ class ReqToTokenTable:
         if start < 0 or start + n > self.max_context:
             raise IndexError(f"positions [{start}, {start + n}) exceed max_context {self.max_context}")
         self.table[row, start : start + n] = slots
+        if self.host is not self.table:
+            self.host[row, start : start + n] = slots.cpu()
 
     def release(self, row: int) -> None:
         """Forget ``row``'s mapping (the slots themselves belong to the scheduler)."""
         if not 0 <= row < self.num_rows:
             raise IndexError(f"row {row} out of range [0, {self.num_rows})")
         self.table[row].zero_()
+        if self.host is not self.table:
+            self.host[row].zero_()

@@ -120,6 +120,8 @@ def engine_config(cfg: WorkerConfig) -> EngineConfig:
         host_cache_bytes=cfg.host_cache_bytes,
         host_page_tokens=cfg.host_page_tokens,
         host_state_share=cfg.host_state_share,
+        attention=cfg.attention,
+        threads=cfg.threads,
     )
 
 

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.attention import decode_attention, extend_attention
+from kernels.attention import decode_attention, decode_attention_torch, extend_attention, extend_attention_torch
+from kernels.attention_cpu import run_attention
 from kernels.kv_store import store_kv
 from services.worker.batch import ForwardBatch, ForwardContext
 
@@ -104,13 +105,33 @@ def slot_attention(
     """Store this batch's ``k, v [T, Hkv, D]`` at ``batch.out_slots`` and attend ``q [T, Hq, D]``.
 
     Each token attends causally to its request's row of ``ctx.req_to_token`` (cached prefix plus
-    the batch's own new tokens, which are stored first). Returns ``[T, Hq, D]``. A pure decode
-    batch takes the decode kernel; anything else (prefill chunks, mixed batches) the extend one.
+    the batch's own new tokens, which are stored first). Returns ``[T, Hq, D]`` in the pool's dtype.
+
+    Paths (``ctx.attention``, see ``EngineConfig.attention``): on the CPU the batch's attention plan
+    (``kernels.attention_cpu``: per-group shared passes, per-request own passes, merged by
+    log-sum-exp); on a GPU the Triton kernels (a pure decode batch with prefix groups takes the
+    cascade decode kernel); ``reference`` (or a batch planned without a path) the torch references.
     """
     k_cache, v_cache = ctx.kv.layer(kv_layer)
-    store_kv(k_cache, v_cache, batch.out_slots, k.contiguous(), v.contiguous())
+    k = k.to(k_cache.dtype).contiguous()
+    v = v.to(v_cache.dtype).contiguous()
+    q = q.to(k_cache.dtype)
+    store_kv(k_cache, v_cache, batch.out_slots, k, v)
+    if batch.attn_plan is not None:
+        return run_attention(batch.attn_plan, q, k, v, k_cache, v_cache, scale)
+    r2t = ctx.req_to_token
+    if ctx.attention == "reference" or not q.is_cuda:
+        if batch.is_decode:
+            return decode_attention_torch(q, k_cache, v_cache, r2t, batch.rows, batch.seq_lens, scale)
+        return extend_attention_torch(
+            q, k_cache, v_cache, r2t, batch.rows, batch.start_pos, batch.extend_lens, scale
+        )
+    if batch.is_decode and batch.prefix_groups is not None:
+        from kernels.cascade_triton import cascade_decode_attention
+
+        return cascade_decode_attention(
+            q, k_cache, v_cache, r2t, batch.rows, batch.seq_lens, batch.prefix_groups, scale
+        )
     if batch.is_decode:
-        return decode_attention(q, k_cache, v_cache, ctx.req_to_token, batch.rows, batch.seq_lens, scale)
-    return extend_attention(
-        q, k_cache, v_cache, ctx.req_to_token, batch.rows, batch.start_pos, batch.extend_lens, scale
-    )
+        return decode_attention(q, k_cache, v_cache, r2t, batch.rows, batch.seq_lens, scale)
+    return extend_attention(q, k_cache, v_cache, r2t, batch.rows, batch.start_pos, batch.extend_lens, scale)

@@ -16,9 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.attention import decode_attention, extend_attention
-from kernels.kv_store import store_kv
 from services.worker.batch import ForwardBatch, ForwardContext
+from services.worker.models.layers import slot_attention
 
 
 class ZeroCentredRMSNorm(nn.Module):
@@ -115,15 +114,6 @@ class GatedAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(t, self.hkv, self.d))
         v = self.v_proj(x).view(t, self.hkv, self.d)
         q, k = rotary(batch.positions, q, k)
-        k_pool, v_pool = ctx.kv.layer(self.kv_layer)
-        store_kv(k_pool, v_pool, batch.out_slots, k.to(k_pool.dtype), v.to(v_pool.dtype))
-        q = q.to(k_pool.dtype)
-        scale = self.d**-0.5
-        if batch.is_decode:
-            o = decode_attention(q, k_pool, v_pool, ctx.req_to_token, batch.rows, batch.seq_lens, scale)
-        else:
-            o = extend_attention(
-                q, k_pool, v_pool, ctx.req_to_token, batch.rows, batch.start_pos, batch.extend_lens, scale
-            )
+        o = slot_attention(q, k, v, self.kv_layer, batch, ctx, self.d**-0.5)
         o = o.to(x.dtype).reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(o)

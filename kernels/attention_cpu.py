@@ -1,0 +1,219 @@
+"""The fast CPU attention path over the slot-indexed KV pool, with prefix-shared (cascade) passes.
+
+The torch references in ``kernels.attention`` gather every request's whole row token by token into
+a tensor padded to the longest request and materialise every score. This path does neither:
+
+* every pass runs in the fused flash-attention kernel of torch's CPU backend
+  (``aten._scaled_dot_product_flash_attention_for_cpu``: blocked, online softmax, GQA without copies,
+  and it returns the log-sum-exp that lets passes be merged exactly);
+* a request's **own** pass reads only what is its own: a decode reads ``[kv_start, seq_len)`` of its
+  row (gathered by ``index_select`` of whole slot rows, requests bucketed by length so padding stays
+  small); a prefill chunk reads its cached prefix ``[kv_start, start_pos)`` (a view when the slots
+  are one contiguous run, one ``index_select`` otherwise) and then its new tokens, causally, straight
+  from this step's K/V (no gather at all);
+* a **shared** pass per prefix group (``kernels.prefix_groups``): all the group's query tokens at
+  once against the run its members share, read once;
+* passes of one token are merged by log-sum-exp (``merge_states``), exact up to rounding.
+
+Everything that depends only on the batch (slot index tensors, buckets, masks) is computed once per
+forward by ``plan_attention`` and reused by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.prefix_groups import PrefixGroups
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+# A bucket of decodes may pad a row by at most this fraction of the bucket's longest row.
+_BUCKET_SLACK = 0.25
+
+Slots = torch.Tensor | slice
+"""Slots to read: a ``slice`` when they form one increasing contiguous run (read as a view, no
+copy), else an int64 tensor for ``index_select``."""
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPass:
+    tokens: torch.Tensor  # [N] flat token indices of every member's new tokens
+    slots: Slots  # the shared run (length L)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeBucket:
+    tokens: torch.Tensor  # [b] flat token index of each decode
+    slots: torch.Tensor  # [b * lmax] slots, row-major; padding reads slot 0 and is masked
+    lmax: int
+    mask: torch.Tensor | None  # [b, 1, 1, lmax] additive (0 / -inf); None when every row is full
+
+
+@dataclass(frozen=True, slots=True)
+class ExtendPass:
+    first: int  # flat index of the request's first new token
+    count: int  # new tokens
+    prefix: Slots | None  # its own cached prefix [kv_start, start_pos), None if empty
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    """What every layer of one forward does (see ``plan_attention``)."""
+
+    num_tokens: int
+    shared: list[SharedPass]
+    decodes: list[DecodeBucket]
+    extends: list[ExtendPass]
+
+
+def _as_slots(slots: torch.Tensor) -> Slots:
+    n = slots.numel()
+    if n == 0:
+        return slice(0, 0)
+    first, last = int(slots[0]), int(slots[-1])
+    if last - first == n - 1 and (n == 1 or bool((slots[1:] - slots[:-1] == 1).all())):
+        return slice(first, last + 1)
+    return slots
+
+
+def plan_attention(
+    req_to_token: torch.Tensor,
+    rows: list[int],
+    start_pos: list[int],
+    extend_lens: list[int],
+    groups: PrefixGroups | None,
+) -> AttentionPlan:
+    """The passes of one forward. ``req_to_token`` must already hold this step's slots; request
+    ``b`` owns ``rows[b]``, has ``start_pos[b]`` cached tokens and ``extend_lens[b]`` new ones."""
+    batch = len(rows)
+    cu = [0]
+    for n in extend_lens:
+        cu.append(cu[-1] + n)
+    kv_start = groups.kv_start if groups is not None else [0] * batch
+    shared: list[SharedPass] = []
+    if groups is not None:
+        for g in range(groups.num_groups):
+            members = groups.group(g)
+            tokens = [t for b in members for t in range(cu[b], cu[b + 1])]
+            run = req_to_token[rows[members[0]], : groups.shared_lens[g]]
+            shared.append(SharedPass(torch.tensor(tokens, dtype=torch.int64), _as_slots(run)))
+    decodes = [b for b in range(batch) if extend_lens[b] == 1]
+    extends = [
+        ExtendPass(
+            cu[b],
+            extend_lens[b],
+            _as_slots(req_to_token[rows[b], kv_start[b] : start_pos[b]]) if kv_start[b] < start_pos[b] else None,
+        )
+        for b in range(batch)
+        if extend_lens[b] > 1
+    ]
+    return AttentionPlan(cu[-1], shared, _bucket_decodes(req_to_token, rows, start_pos, kv_start, decodes, cu),
+                         extends)
+
+
+def _bucket_decodes(
+    req_to_token: torch.Tensor, rows: list[int], start_pos: list[int], kv_start: list[int], decodes: list[int],
+    cu: list[int],
+) -> list[DecodeBucket]:
+    """Decodes sorted by own length, cut where padding would pass ``_BUCKET_SLACK`` of the longest."""
+    order = sorted(decodes, key=lambda b: start_pos[b] + 1 - kv_start[b], reverse=True)
+    buckets: list[DecodeBucket] = []
+    i = 0
+    while i < len(order):
+        lmax = start_pos[order[i]] + 1 - kv_start[order[i]]
+        j = i
+        while j < len(order) and start_pos[order[j]] + 1 - kv_start[order[j]] >= lmax * (1 - _BUCKET_SLACK):
+            j += 1
+        members = order[i:j]
+        lens = torch.tensor([start_pos[b] + 1 - kv_start[b] for b in members], dtype=torch.int64)
+        first = torch.tensor([kv_start[b] for b in members], dtype=torch.int64)
+        pos = torch.arange(lmax, dtype=torch.int64)
+        valid = pos[None, :] < lens[:, None]
+        cols = (first[:, None] + pos[None, :]).clamp_max(req_to_token.shape[1] - 1)
+        row_idx = torch.tensor([rows[b] for b in members], dtype=torch.int64)
+        slots = torch.where(valid, req_to_token[row_idx[:, None], cols], 0).reshape(-1)
+        mask = None
+        if not bool(valid.all()):
+            mask = torch.zeros(len(members), 1, 1, lmax).masked_fill_(~valid[:, None, None, :], float("-inf"))
+        tokens = torch.tensor([cu[b] for b in members], dtype=torch.int64)
+        buckets.append(DecodeBucket(tokens, slots, lmax, mask))
+        i = j
+    return buckets
+
+
+def _read(cache: torch.Tensor, slots: Slots) -> torch.Tensor:
+    return cache[slots] if isinstance(slots, slice) else cache.index_select(0, slots)
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [B, Hq, n, D]`` over ``k, v [B, Hkv, L, D]`` -> (out ``[B, Hq, n, D]``, lse ``[B, Hq, n]`` fp32)."""
+    return _flash(q, k, v, is_causal=causal, attn_mask=mask, scale=scale)
+
+
+def merge_states(
+    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of two attention passes over disjoint keys: ``o [N, H, D]``, ``lse [N, H]`` (natural log)."""
+    m = torch.maximum(lse_a, lse_b)
+    w_a = torch.exp(lse_a - m)
+    w_b = torch.exp(lse_b - m)
+    total = w_a + w_b
+    o = (o_a.float() * (w_a / total)[..., None]) + (o_b.float() * (w_b / total)[..., None])
+    return o, m + torch.log(total)
+
+
+def run_attention(
+    plan: AttentionPlan,
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of ``q [T, Hq, D]`` for one layer, following ``plan``. ``k_new, v_new [T, Hkv, D]``
+    are this step's keys and values (already stored in the caches too). Returns ``[T, Hq, D]`` in
+    q's dtype."""
+    t, hq, d = q.shape
+    merging = bool(plan.shared)
+    out = torch.empty((t, hq, d), dtype=torch.float32 if merging else q.dtype)
+    lse = torch.empty((t, hq), dtype=torch.float32) if merging else None
+    for bucket in plan.decodes:
+        b = bucket.tokens.numel()
+        keys = k_cache.index_select(0, bucket.slots).view(b, bucket.lmax, *k_cache.shape[1:]).transpose(1, 2)
+        vals = v_cache.index_select(0, bucket.slots).view(b, bucket.lmax, *v_cache.shape[1:]).transpose(1, 2)
+        o, s = _attend(q.index_select(0, bucket.tokens)[:, :, None, :], keys, vals, scale, mask=bucket.mask)
+        out[bucket.tokens] = o[:, :, 0, :].to(out.dtype)
+        if lse is not None:
+            lse[bucket.tokens] = s[:, :, 0]
+    for ext in plan.extends:
+        sl = slice(ext.first, ext.first + ext.count)
+        qe = q[sl].transpose(0, 1)[None]
+        o, s = _attend(qe, k_new[sl].transpose(0, 1)[None], v_new[sl].transpose(0, 1)[None], scale, causal=True)
+        o, s = o[0].transpose(0, 1), s[0].transpose(0, 1)  # [n, Hq, D], [n, Hq]
+        if ext.prefix is not None:
+            keys = _read(k_cache, ext.prefix).transpose(0, 1)[None]
+            vals = _read(v_cache, ext.prefix).transpose(0, 1)[None]
+            op, sp = _attend(qe, keys, vals, scale)
+            o, s = merge_states(o, s, op[0].transpose(0, 1), sp[0].transpose(0, 1))
+        out[sl] = o.to(out.dtype)
+        if lse is not None:
+            lse[sl] = s
+    if lse is None:
+        return out
+    for sp_ in plan.shared:
+        qs = q.index_select(0, sp_.tokens).transpose(0, 1)[None]
+        keys = _read(k_cache, sp_.slots).transpose(0, 1)[None]
+        vals = _read(v_cache, sp_.slots).transpose(0, 1)[None]
+        o, s = _attend(qs, keys, vals, scale)
+        merged, merged_lse = merge_states(
+            out.index_select(0, sp_.tokens), lse.index_select(0, sp_.tokens), o[0].transpose(0, 1),
+            s[0].transpose(0, 1),
+        )
+        out[sp_.tokens] = merged
+        lse[sp_.tokens] = merged_lse
+    return out.to(q.dtype)
