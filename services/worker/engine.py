@@ -51,6 +51,7 @@ from services.common.step import (
 from services.worker.batch import BatchEntry, ForwardBatch, ForwardContext
 from services.worker.engine_config import DTYPES, EngineConfig
 from services.worker.host_cache import HostPool
+from services.worker.host_malloc import keep_large_blocks_on_heap
 from services.worker.host_ops import HostTier, L3Port
 from services.worker.host_states import HostStatePool
 from services.worker.loader import fingerprint, load_model
@@ -78,6 +79,10 @@ class Engine:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         dtype = DTYPES[cfg.dtype]
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        if device.type == "cpu":
+            keep_large_blocks_on_heap()
         loaded = load_model(model_dir, dtype=dtype, device=str(device))
         model = cast(CausalLM, loaded.model)
         context = cfg.max_context or int(loaded.hf_config["max_position_embeddings"])
