@@ -30,6 +30,10 @@ from kernels.prefix_groups import PrefixGroups
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 # A bucket of decodes may pad a row by at most this fraction of the bucket's longest row.
 _BUCKET_SLACK = 0.25
+# A decode's leading run of contiguous slots at least this long is read in place (one pass of its
+# own over a view) instead of being gathered: gathering costs a write and a read of every key and
+# value, a pass of its own one more kernel call and a merge (break-even near 64 tokens here).
+RUN_MIN_TOKENS = 96
 
 Slots = torch.Tensor | slice
 """Slots to read: a ``slice`` when they form one increasing contiguous run (read as a view, no
@@ -51,6 +55,12 @@ class DecodeBucket:
 
 
 @dataclass(frozen=True, slots=True)
+class RunPass:
+    token: int  # flat index of the decode's token
+    slots: slice  # the leading contiguous run of its own range, read in place
+
+
+@dataclass(frozen=True, slots=True)
 class ExtendPass:
     first: int  # flat index of the request's first new token
     count: int  # new tokens
@@ -65,6 +75,8 @@ class AttentionPlan:
     shared: list[SharedPass]
     decodes: list[DecodeBucket]
     extends: list[ExtendPass]
+    runs: list[RunPass]
+    run_tokens: torch.Tensor  # [len(runs)] the runs' token indices
 
 
 def _as_slots(slots: torch.Tensor) -> Slots:
@@ -96,9 +108,18 @@ def plan_attention(
         for g in range(groups.num_groups):
             members = groups.group(g)
             tokens = [t for b in members for t in range(cu[b], cu[b + 1])]
-            run = req_to_token[rows[members[0]], : groups.shared_lens[g]]
-            shared.append(SharedPass(torch.tensor(tokens, dtype=torch.int64), _as_slots(run)))
+            shared_run = req_to_token[rows[members[0]], : groups.shared_lens[g]]
+            shared.append(SharedPass(torch.tensor(tokens, dtype=torch.int64), _as_slots(shared_run)))
     decodes = [b for b in range(batch) if extend_lens[b] == 1]
+    runs: list[RunPass] = []
+    rest_start = list(kv_start)  # where the gathered part of each decode's own range begins
+    for b in decodes:
+        own = req_to_token[rows[b], kv_start[b] : start_pos[b]]  # the new token always stays gathered
+        run = _leading_run(own)
+        if run >= RUN_MIN_TOKENS:
+            first = int(own[0])
+            runs.append(RunPass(cu[b], slice(first, first + run)))
+            rest_start[b] += run
     extends = [
         ExtendPass(
             cu[b],
@@ -108,8 +129,18 @@ def plan_attention(
         for b in range(batch)
         if extend_lens[b] > 1
     ]
-    return AttentionPlan(cu[-1], shared, _bucket_decodes(req_to_token, rows, start_pos, kv_start, decodes, cu),
-                         extends)
+    buckets = _bucket_decodes(req_to_token, rows, start_pos, rest_start, decodes, cu)
+    run_tokens = torch.tensor([r.token for r in runs], dtype=torch.int64)
+    return AttentionPlan(cu[-1], shared, buckets, extends, runs, run_tokens)
+
+
+def _leading_run(slots: torch.Tensor) -> int:
+    """Length of the longest prefix of ``slots`` that is one increasing contiguous run."""
+    n = slots.numel()
+    if n < 2:
+        return n
+    breaks = ((slots[1:] - slots[:-1]) != 1).nonzero()
+    return int(breaks[0]) + 1 if breaks.numel() else n
 
 
 def _bucket_decodes(
@@ -179,7 +210,7 @@ def run_attention(
     are this step's keys and values (already stored in the caches too). Returns ``[T, Hq, D]`` in
     q's dtype."""
     t, hq, d = q.shape
-    merging = bool(plan.shared)
+    merging = bool(plan.shared or plan.runs)
     out = torch.empty((t, hq, d), dtype=torch.float32 if merging else q.dtype)
     lse = torch.empty((t, hq), dtype=torch.float32) if merging else None
     for bucket in plan.decodes:
@@ -205,6 +236,19 @@ def run_attention(
             lse[sl] = s
     if lse is None:
         return out
+    if plan.runs:
+        run_o = torch.empty((len(plan.runs), hq, d), dtype=q.dtype)
+        run_lse = torch.empty((len(plan.runs), hq), dtype=torch.float32)
+        for i, run in enumerate(plan.runs):
+            keys = k_cache[run.slots].transpose(0, 1)[None]
+            vals = v_cache[run.slots].transpose(0, 1)[None]
+            o, s = _attend(q[run.token][None, :, None, :], keys, vals, scale)
+            run_o[i], run_lse[i] = o[0, :, 0, :], s[0, :, 0]
+        tokens = plan.run_tokens
+        run_merged, run_merged_lse = merge_states(
+            out.index_select(0, tokens), lse.index_select(0, tokens), run_o, run_lse
+        )
+        out[tokens], lse[tokens] = run_merged, run_merged_lse
     for sp_ in plan.shared:
         qs = q.index_select(0, sp_.tokens).transpose(0, 1)[None]
         keys = _read(k_cache, sp_.slots).transpose(0, 1)[None]

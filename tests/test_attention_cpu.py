@@ -1,0 +1,120 @@
+"""The fast CPU attention path (kernels/attention_cpu.py) and the prefix grouping against the torch
+reference, on batches built to hit every pass: shared runs of several groups, decodes whose own
+range starts with a long contiguous run (read in place) or is scattered (gathered, bucketed by
+length), prefill chunks with and without a cached prefix, a member that leaves its group mid-way."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels.attention import extend_attention_torch
+from kernels.attention_cpu import RUN_MIN_TOKENS, plan_attention, run_attention
+from kernels.prefix_groups import MIN_SHARED_TOKENS, PrefixGroups, find_prefix_groups
+
+HQ, HKV, D = 8, 4, 16
+
+
+def _batch(seed: int, scattered: bool) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
+    """A slot table and (rows, start_pos, extend_lens) of 14 requests over two shared prefixes."""
+    rng = random.Random(seed)
+    free = list(range(1, 6000))
+    if scattered:
+        rng.shuffle(free)
+
+    def take(n: int) -> list[int]:
+        out = free[:n]
+        del free[:n]
+        return out
+
+    table = torch.zeros(16, 700, dtype=torch.int64)
+    heads = [take(300), take(150)]
+    rows, starts, lens = [], [], []
+    for row in range(14):
+        head = heads[row % 2]
+        shared = rng.choice([0, len(head), len(head), 37, 200 if len(head) > 200 else 20])
+        own = rng.choice([0, 5, 130, 250])
+        n = rng.choice([1, 1, 1, 4, 33])
+        if row < 2:  # decodes with a long own range, alone and past a shared prefix
+            shared, own, n = (0, 250, 1) if row == 0 else (len(head), 130, 1)
+        table[row, :shared] = torch.tensor(head[:shared], dtype=torch.int64)
+        table[row, shared : shared + own + n] = torch.tensor(take(own + n), dtype=torch.int64)
+        rows.append(row)
+        starts.append(shared + own)
+        lens.append(n)
+    return table, rows, starts, lens
+
+
+@pytest.mark.parametrize("scattered", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_every_pass_equals_the_reference(seed: int, scattered: bool) -> None:
+    table, rows, starts, lens = _batch(seed, scattered)
+    g = torch.Generator().manual_seed(seed)
+    k_cache, v_cache = torch.randn(6000, HKV, D, generator=g), torch.randn(6000, HKV, D, generator=g)
+    q = torch.randn(sum(lens), HQ, D, generator=g)
+    new_slots = torch.cat([table[r, s : s + n] for r, s, n in zip(rows, starts, lens, strict=True)])
+    k_new, v_new = k_cache[new_slots], v_cache[new_slots]
+    want = extend_attention_torch(
+        q, k_cache, v_cache, table, torch.tensor(rows), torch.tensor(starts), torch.tensor(lens), 0.3
+    )
+    groups = find_prefix_groups(table, rows, starts)
+    assert groups is not None and groups.num_groups >= 2
+    for grouping in (None, groups):
+        plan = plan_attention(table, rows, starts, lens, grouping)
+        if not scattered:
+            assert plan.runs, "long contiguous own ranges must be read in place"
+        got = run_attention(plan, q, k_new, v_new, k_cache, v_cache, 0.3)
+        assert float((got - want).abs().max()) < 1e-5
+
+
+def test_runs_are_taken_only_when_long_and_contiguous() -> None:
+    table = torch.zeros(3, 400, dtype=torch.int64)
+    table[0, :300] = torch.arange(1000, 1300)  # one run, then the new token elsewhere
+    table[0, 300] = 5
+    table[1, :300] = torch.arange(2000, 2300).flip(0)  # decreasing: not a run
+    table[1, 300] = 6
+    table[2, : RUN_MIN_TOKENS - 1] = torch.arange(3000, 3000 + RUN_MIN_TOKENS - 1)
+    table[2, RUN_MIN_TOKENS - 1] = 7
+    plan = plan_attention(table, [0, 1, 2], [300, 300, RUN_MIN_TOKENS - 1], [1, 1, 1], None)
+    assert [(r.token, r.slots) for r in plan.runs] == [(0, slice(1000, 1300))]
+
+
+def test_grouping_keeps_the_long_run_of_most_members() -> None:
+    """Five requests on one prefix: three hold 48 slots of it, two leave after 20. Grouping all five
+    on 20 saves 80 key reads, three on 48 save 96: the three form a group, the two a second one."""
+    table = torch.zeros(6, 100, dtype=torch.int64)
+    head = torch.arange(100, 148)
+    for row in range(5):
+        table[row, :48] = head
+        table[row, 48:60] = torch.arange(500 + 20 * row, 512 + 20 * row)
+    table[3, 20:48] = torch.arange(800, 828)
+    table[4, 20:48] = torch.arange(900, 928)
+    table[5, :30] = torch.arange(1200, 1230)  # alone
+    groups = find_prefix_groups(table, list(range(6)), [60, 60, 60, 60, 60, 30])
+    assert groups is not None
+    assert sorted((groups.group(i), groups.shared_lens[i]) for i in range(groups.num_groups)) == [
+        ([0, 1, 2], 48), ([3, 4], 20)
+    ]
+    assert groups.kv_start == [48, 48, 48, 20, 20, 0]
+
+
+def test_grouping_ignores_short_runs_and_new_tokens() -> None:
+    table = torch.zeros(2, 64, dtype=torch.int64)
+    table[:, : MIN_SHARED_TOKENS - 1] = torch.arange(10, 10 + MIN_SHARED_TOKENS - 1)
+    table[0, MIN_SHARED_TOKENS - 1 :] = torch.arange(100, 100 + 64 - MIN_SHARED_TOKENS + 1)
+    table[1, MIN_SHARED_TOKENS - 1 :] = torch.arange(200, 200 + 64 - MIN_SHARED_TOKENS + 1)
+    assert find_prefix_groups(table, [0, 1], [60, 60]) is None
+    same = torch.zeros(2, 64, dtype=torch.int64)
+    same[:, :] = torch.arange(64)
+    # Equal slots past the cached prefix are this step's tokens: never part of a shared run.
+    groups = find_prefix_groups(same, [0, 1], [20, 40])
+    assert groups is not None and groups.shared_lens == [20]
+
+
+def test_groups_reject_overlapping_members() -> None:
+    with pytest.raises(ValueError, match="two prefix groups"):
+        PrefixGroups.from_lists([([0, 1], 20), ([1, 2], 20)], 3)
+    with pytest.raises(ValueError, match=">= 2 members"):
+        PrefixGroups.from_lists([([0], 20)], 3)
