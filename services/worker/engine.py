@@ -286,15 +286,17 @@ class Engine:
 
     def _forward(self, reqs: list[ReqInput], all_logits: bool) -> torch.Tensor:
         entries: list[BatchEntry] = []
+        runs: list[tuple[int, int, list[int]]] = []
         for r in reqs:
             ids = [self._last_sample[r.row]] if r.use_last_sample else list(r.input_ids)
             if r.prefix_slots:
-                self.req_to_token.write(r.row, 0, torch.tensor(r.prefix_slots, dtype=torch.int64))
-            self.req_to_token.write(r.row, r.start_pos, torch.tensor(r.new_slots, dtype=torch.int64))
+                runs.append((r.row, 0, list(r.prefix_slots)))
+            runs.append((r.row, r.start_pos, list(r.new_slots)))
             self._row_len[r.row] = r.start_pos + len(ids)
             if r.history_ids:
                 self._history[r.row] = list(r.history_ids)
             entries.append(BatchEntry(r.row, r.start_pos, ids, list(r.new_slots), r.mamba_slot, r.sample))
+        self.req_to_token.write_runs(runs)
         batch = ForwardBatch.build(
             entries, self.device, all_logits=all_logits, slot_table=self.req_to_token.host, attention=self.cfg.attention
         )
