@@ -13,7 +13,7 @@ PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := strata/.generated
 PORT ?= 50051
 
-.PHONY: run test test-all soak bench bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid soak-hicache lint protos install system-deps models clean
+.PHONY: native run test test-all soak bench bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid soak-hicache lint protos install system-deps models clean
 
 run: install models
 	$(BIN)/strata up --model $(TINY) --port $(PORT)
@@ -70,7 +70,11 @@ lint: install
 	$(BIN)/ruff check services kernels tests
 	$(BIN)/mypy
 
-install: system-deps $(STAMP) $(PROTO_STAMP)
+install: system-deps $(STAMP) $(PROTO_STAMP) native
+
+# The native CPU kernels (kernels/csrc, built with cc into kernels/_build; the torch path is used where this fails).
+native: $(STAMP)
+	@$(BIN)/python -m kernels.native
 
 # Debian packages: a real etcd server, and docker-compose to validate compose.yaml offline.
 system-deps:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import native
 from kernels.prefix_groups import PrefixGroups
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -55,6 +56,15 @@ class DecodeBucket:
 
 
 @dataclass(frozen=True, slots=True)
+class PagedDecodes:
+    """Every decode's own range, read in place by the native kernel (``kernels.native``)."""
+
+    tokens: torch.Tensor  # [b] flat token index of each decode
+    slots: torch.Tensor  # [N] the own ranges, concatenated
+    offsets: torch.Tensor  # [b + 1]
+
+
+@dataclass(frozen=True, slots=True)
 class RunPass:
     token: int  # flat index of the decode's token
     slots: slice  # the leading contiguous run of its own range, read in place
@@ -77,6 +87,7 @@ class AttentionPlan:
     extends: list[ExtendPass]
     runs: list[RunPass]
     run_tokens: torch.Tensor  # [len(runs)] the runs' token indices
+    paged: PagedDecodes | None = None  # replaces runs and buckets when the native kernel runs
 
 
 def _as_slots(slots: torch.Tensor) -> Slots:
@@ -95,9 +106,12 @@ def plan_attention(
     start_pos: list[int],
     extend_lens: list[int],
     groups: PrefixGroups | None,
+    native_decode: bool = False,
 ) -> AttentionPlan:
     """The passes of one forward. ``req_to_token`` must already hold this step's slots; request
-    ``b`` owns ``rows[b]``, has ``start_pos[b]`` cached tokens and ``extend_lens[b]`` new ones."""
+    ``b`` owns ``rows[b]``, has ``start_pos[b]`` cached tokens and ``extend_lens[b]`` new ones.
+    ``native_decode``: decodes read their own ranges in place with ``kernels.native.paged_decode``
+    (fp32 pools, the library built) instead of runs and gathered buckets."""
     batch = len(rows)
     cu = [0]
     for n in extend_lens:
@@ -111,6 +125,15 @@ def plan_attention(
             shared_run = req_to_token[rows[members[0]], : groups.shared_lens[g]]
             shared.append(SharedPass(torch.tensor(tokens, dtype=torch.int64), _as_slots(shared_run)))
     decodes = [b for b in range(batch) if extend_lens[b] == 1]
+    extends = _extend_passes(req_to_token, rows, start_pos, extend_lens, kv_start, cu)
+    if native_decode and decodes:
+        ranges = [req_to_token[rows[b], kv_start[b] : start_pos[b] + 1] for b in decodes]
+        offsets = [0]
+        for r in ranges:
+            offsets.append(offsets[-1] + r.numel())
+        paged = PagedDecodes(torch.tensor([cu[b] for b in decodes], dtype=torch.int64), torch.cat(ranges),
+                             torch.tensor(offsets, dtype=torch.int64))
+        return AttentionPlan(cu[-1], shared, [], extends, [], torch.empty(0, dtype=torch.int64), paged)
     runs: list[RunPass] = []
     rest_start = list(kv_start)  # where the gathered part of each decode's own range begins
     for b in decodes:
@@ -120,18 +143,24 @@ def plan_attention(
             first = int(own[0])
             runs.append(RunPass(cu[b], slice(first, first + run)))
             rest_start[b] += run
-    extends = [
+    buckets = _bucket_decodes(req_to_token, rows, start_pos, rest_start, decodes, cu)
+    run_tokens = torch.tensor([r.token for r in runs], dtype=torch.int64)
+    return AttentionPlan(cu[-1], shared, buckets, extends, runs, run_tokens)
+
+
+def _extend_passes(
+    req_to_token: torch.Tensor, rows: list[int], start_pos: list[int], extend_lens: list[int], kv_start: list[int],
+    cu: list[int],
+) -> list[ExtendPass]:
+    return [
         ExtendPass(
             cu[b],
             extend_lens[b],
             _as_slots(req_to_token[rows[b], kv_start[b] : start_pos[b]]) if kv_start[b] < start_pos[b] else None,
         )
-        for b in range(batch)
+        for b in range(len(rows))
         if extend_lens[b] > 1
     ]
-    buckets = _bucket_decodes(req_to_token, rows, start_pos, rest_start, decodes, cu)
-    run_tokens = torch.tensor([r.token for r in runs], dtype=torch.int64)
-    return AttentionPlan(cu[-1], shared, buckets, extends, runs, run_tokens)
 
 
 def _leading_run(slots: torch.Tensor) -> int:
@@ -213,6 +242,13 @@ def run_attention(
     merging = bool(plan.shared or plan.runs)
     out = torch.empty((t, hq, d), dtype=torch.float32 if merging else q.dtype)
     lse = torch.empty((t, hq), dtype=torch.float32) if merging else None
+    if plan.paged is not None:
+        o_p, s_p = native.paged_decode(
+            q.index_select(0, plan.paged.tokens), k_cache, v_cache, plan.paged.slots, plan.paged.offsets, scale
+        )
+        out[plan.paged.tokens] = o_p.to(out.dtype)
+        if lse is not None:
+            lse[plan.paged.tokens] = s_p
     for bucket in plan.decodes:
         b = bucket.tokens.numel()
         keys = k_cache.index_select(0, bucket.slots).view(b, bucket.lmax, *k_cache.shape[1:]).transpose(1, 2)

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from kernels import native
 from kernels.attention import extend_attention_torch
 from kernels.attention_cpu import RUN_MIN_TOKENS, plan_attention, run_attention
 from kernels.prefix_groups import MIN_SHARED_TOKENS, PrefixGroups, find_prefix_groups
@@ -47,9 +48,12 @@ def _batch(seed: int, scattered: bool) -> tuple[torch.Tensor, list[int], list[in
     return table, rows, starts, lens
 
 
+@pytest.mark.parametrize("native_decode", [False, True])
 @pytest.mark.parametrize("scattered", [False, True])
 @pytest.mark.parametrize("seed", range(4))
-def test_every_pass_equals_the_reference(seed: int, scattered: bool) -> None:
+def test_every_pass_equals_the_reference(seed: int, scattered: bool, native_decode: bool) -> None:
+    if native_decode and native.load() is None:
+        pytest.skip("no C compiler here: the native kernel is not built")
     table, rows, starts, lens = _batch(seed, scattered)
     g = torch.Generator().manual_seed(seed)
     k_cache, v_cache = torch.randn(6000, HKV, D, generator=g), torch.randn(6000, HKV, D, generator=g)
@@ -62,8 +66,9 @@ def test_every_pass_equals_the_reference(seed: int, scattered: bool) -> None:
     groups = find_prefix_groups(table, rows, starts)
     assert groups is not None and groups.num_groups >= 2
     for grouping in (None, groups):
-        plan = plan_attention(table, rows, starts, lens, grouping)
-        if not scattered:
+        plan = plan_attention(table, rows, starts, lens, grouping, native_decode)
+        assert (plan.paged is not None) == native_decode
+        if not scattered and not native_decode:
             assert plan.runs, "long contiguous own ranges must be read in place"
         got = run_attention(plan, q, k_new, v_new, k_cache, v_cache, 0.3)
         assert float((got - want).abs().max()) < 1e-5
@@ -118,3 +123,22 @@ def test_groups_reject_overlapping_members() -> None:
         PrefixGroups.from_lists([([0, 1], 20), ([1, 2], 20)], 3)
     with pytest.raises(ValueError, match=">= 2 members"):
         PrefixGroups.from_lists([([0], 20)], 3)
+
+
+def test_the_native_kernel_is_built_where_a_compiler_exists() -> None:
+    """CI and every developer machine have cc: a silent fallback there would hide a build break."""
+    import shutil
+
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert native.load() is not None
+
+
+def test_native_decode_rejects_what_it_cannot_read() -> None:
+    if native.load() is None:
+        pytest.skip("no C compiler here")
+    k = torch.zeros(8, 2, 4)
+    offsets = torch.tensor([0, 2])
+    with pytest.raises(ValueError, match="q must be a contiguous fp32"):
+        native.paged_decode(torch.zeros(1, 2, 4, dtype=torch.float64), k, k, torch.tensor([1, 2]), offsets, 1.0)
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        native.paged_decode(torch.zeros(1, 3, 4), k, k, torch.tensor([1, 2]), offsets, 1.0)

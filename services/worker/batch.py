@@ -94,6 +94,7 @@ class ForwardBatch:
         all_logits: bool = False,
         slot_table: torch.Tensor | None = None,
         attention: str = "reference",
+        native_decode: bool = False,
     ) -> ForwardBatch:
         """Flatten ``entries`` (non-empty, each with >= 1 token, validated by the caller).
 
@@ -103,7 +104,8 @@ class ForwardBatch:
         ``attention`` (``EngineConfig.attention``) with ``slot_table`` (the CPU copy of
         ``req_to_token``, already holding this step's slots): ``cascade`` finds the prefix groups;
         on a CPU device ``cascade`` and ``flat`` also plan the fast attention path once for every
-        layer. ``reference`` plans nothing (the models fall back to the reference kernels).
+        layer (``native_decode``: decodes through the native paged kernel). ``reference`` plans
+        nothing (the models fall back to the reference kernels).
         """
         if not entries:
             raise ValueError("ForwardBatch.build needs at least one entry")
@@ -144,7 +146,7 @@ class ForwardBatch:
             if attention == "cascade":
                 groups = find_prefix_groups(slot_table, rows, start, device)
             if device.type == "cpu":
-                plan = plan_attention(slot_table, rows, start, lens, groups)
+                plan = plan_attention(slot_table, rows, start, lens, groups, native_decode)
         return cls(
             input_ids=t(ids),
             positions=t(positions),

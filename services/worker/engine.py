@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from kernels.native import paged_decode_available
 from services.common.step import (
     HostBackup,
     HostLoad,
@@ -141,6 +142,8 @@ class Engine:
             host_states=host_states.num_states if host_states else 0,
             state_layout=f"{host_states.layout}/tp0of1" if host_states else "",
         )
+        # Decodes read the pool in place with the native kernel where it is built (fp32 CPU pools).
+        self._native_decode = device.type == "cpu" and cfg.attention != "reference" and paged_decode_available(dtype)
         self._ctx = ForwardContext(self.kv, self.req_to_token.table, self.mamba, cfg.attention)
         self._last_sample: dict[int, int] = {}
         self._row_len: dict[int, int] = {}
@@ -298,7 +301,8 @@ class Engine:
             entries.append(BatchEntry(r.row, r.start_pos, ids, list(r.new_slots), r.mamba_slot, r.sample))
         self.req_to_token.write_runs(runs)
         batch = ForwardBatch.build(
-            entries, self.device, all_logits=all_logits, slot_table=self.req_to_token.host, attention=self.cfg.attention
+            entries, self.device, all_logits=all_logits, slot_table=self.req_to_token.host,
+            attention=self.cfg.attention, native_decode=self._native_decode,
         )
         return self.model.forward(batch, self._ctx)
 

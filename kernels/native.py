@@ -1,0 +1,144 @@
+"""Native CPU kernels (``kernels/csrc/*.c``), built with the system C compiler and loaded by ctypes.
+
+Torch has no CPU kernel that attends a query to keys scattered over a slot-indexed pool: the torch
+path must gather them into a dense copy first, which writes and reads every key and value once more
+than the attention itself. ``paged_decode`` reads them in place (``kernels/csrc/paged_decode.c``,
+OpenMP over requests × KV heads).
+
+The library is compiled on first use (or by ``python -m kernels.native``, which ``make install``
+runs) into ``kernels/_build/`` (git-ignored; a temporary folder where that is not writable), named
+by a hash of the source, the flags, the compiler and this CPU's feature flags — ``-march=native``
+code must never run on another processor. Without a C compiler, or if the build fails, the
+launchers report unavailable and the callers keep the torch path: same results, slower.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SRC = Path(__file__).with_name("csrc") / "paged_decode.c"
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-shared", "-fPIC")
+_LIBS = (("-lmvec", "-lm"), ("-lm",))  # glibc's vector math first (vectorised expf), plain libm else
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_dir() -> Path:
+    here = Path(__file__).with_name("_build")
+    try:
+        here.mkdir(exist_ok=True)
+        if os.access(here, os.W_OK):
+            return here
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / "strata-kernels"
+
+
+def _compile(cc: str, out: Path) -> bool:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for libs in _LIBS:
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        cmd = [cc, *_FLAGS, "-o", str(tmp), str(_SRC), *libs]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode == 0:
+            os.replace(tmp, out)  # atomic: processes building at once never load half a file
+            return True
+        log.debug("native kernels: %s failed: %s", " ".join(cmd), done.stderr.strip()[:500])
+        tmp.unlink(missing_ok=True)
+    return False
+
+
+def load() -> ctypes.CDLL | None:
+    """The native library, building it if needed; ``None`` (logged once) where it cannot be built."""
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+        if cc is None or sys.platform != "linux":
+            log.warning("native CPU kernels unavailable (no C compiler on linux): attention gathers keys instead")
+            return None
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+        key = hashlib.sha256("\0".join([_SRC.read_text(), *_FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:16]
+        path = _build_dir() / f"paged_decode-{key}.so"
+        if not path.exists() and not _compile(cc, path):
+            log.warning("native CPU kernels failed to build with %s: attention gathers keys instead", cc)
+            return None
+        lib = ctypes.CDLL(str(path))
+        fn = lib.strata_paged_decode_f32
+        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        _lib = lib
+        return lib
+
+
+def paged_decode_available(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 and load() is not None
+
+
+def paged_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query per request over its own slots, read in place.
+
+    ``q [B, Hq, D]``, ``k_cache, v_cache [S, Hkv, D]`` fp32 CPU; ``slots [N]`` int64 (request ``b``
+    reads ``slots[offsets[b]:offsets[b + 1]]``, each range non-empty and every slot ``< S``: the
+    caller's plan guarantees it, nothing is checked per slot); ``offsets [B + 1]`` int64.
+    Returns ``(out [B, Hq, D] fp32, lse [B, Hq] fp32)``.
+    """
+    lib = load()
+    if lib is None:
+        raise RuntimeError("native CPU kernels are not available (see kernels.native)")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous fp32 CPU tensor, got {t.dtype} on {t.device}")
+    for name, t in (("slots", slots), ("offsets", offsets)):
+        if t.dtype != torch.int64 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous int64 tensor")
+    batch, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if k_cache.shape[2] != d or hq % hkv or offsets.numel() != batch + 1 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+                         f"offsets {offsets.numel()} for {batch} requests")
+    out = torch.empty((batch, hq, d), dtype=torch.float32)
+    lse = torch.empty((batch, hq), dtype=torch.float32)
+    if batch:
+        rc = lib.strata_paged_decode_f32(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), offsets.data_ptr(),
+            batch, hq, hkv, d, float(scale), out.data_ptr(), lse.data_ptr(),
+        )
+        if rc != 0:
+            raise MemoryError("native paged decode could not allocate its scratch buffers")
+    return out, lse
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    print("native CPU kernels:", "built" if load() is not None else "UNAVAILABLE (torch path will be used)")
