@@ -169,6 +169,36 @@ def test_report_writes_json_plots_and_keeps_hand_written_text(tmp_path: Path) ->
     assert "| a / b | total tokens/s | 2.000 | met (≥ 0.9) |" in text
 
 
+def test_a_time_ratio_is_met_below_its_goal() -> None:
+    assert Comparison("ttft", "s", "a", "b", 0.9, 1.1, lower_is_better=True).met is True
+    assert Comparison("ttft", "s", "a", "b", 1.2, 1.1, lower_is_better=True).met is False
+    assert Comparison("tok/s", "x", "a", "b", 1.2, 1.1).met is True
+
+
+def test_decode_floor_measures_a_step_against_the_machine(tiny_qwen3: Path) -> None:
+    """The floor section's measurement on the tiny model: rates measured, the step slower than its
+    floor, and the KV bytes counting the shared prefix once (fewer bytes than every row read)."""
+    from services.bench.speed import decode_floor, machine_rates
+
+    gflops, gbs = machine_rates(repeats=1)
+    assert gflops > 1 and gbs > 0.1
+    f = decode_floor(tiny_qwen3, "cascade", gflops, gbs, groups=2, per_group=4, prefix=40, question=8, steps=4)
+    assert f.batch == 8 and f.step_s > 0 and f.ratio > 1.0
+    assert f.distinct_slots == pytest.approx(f.rows_slots - 6 * 40)  # 2 prefixes of 40 read once, not 8 times
+
+
+def test_attention_share_of_a_profile(tiny_qwen3: Path) -> None:
+    from services.bench.profile import profile_in_process
+    from services.scheduler.loop import LoopConfig
+    from services.worker.engine import Engine, EngineConfig
+
+    w = shared_prefix_workload(SharedPrefixSpec(groups=2, prompts_per_group=3, system_len=40, question_len=4,
+                                                output_len=4), VOCAB)
+    text, share = profile_in_process(Engine(tiny_qwen3, EngineConfig(kv_cache_bytes=1 << 22, max_rows=8)),
+                                     LoopConfig(cache="radix"), w, 8, VOCAB, 5)
+    assert 0.0 < share < 1.0 and "attention:" in text
+
+
 def _args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers(dest="command"))

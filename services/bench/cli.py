@@ -22,18 +22,20 @@ from typing import Any
 from services.bench.workloads import MultiTurnSpec, RandomSpec, SharedPrefixSpec
 
 DEFAULT_MODEL = "models/qwen3-bench"
-SECTION_NAMES = ("cache", "multi_turn", "stack", "overlap", "hf", "profile")
+SECTION_NAMES = ("cache", "multi_turn", "stack", "overlap", "hf", "long_prefix", "prefill", "decode_floor", "profile")
 
 # Workload sizes: default and --quick. Explicit size flags override either.
 DEFAULT: dict[str, Any] = {
     "random": RandomSpec(count=64, input_len=256, output_len=32),
     "shared": SharedPrefixSpec(groups=4, prompts_per_group=16, system_len=512, question_len=32, output_len=32),
     "multi": MultiTurnSpec(clients=8, rounds=4, request_len=64, output_len=32, max_parallel=8),
+    "long_shared": SharedPrefixSpec(groups=4, prompts_per_group=16, system_len=2048, question_len=32, output_len=32),
 }
 QUICK: dict[str, Any] = {
     "random": RandomSpec(count=16, input_len=128, output_len=16),
     "shared": SharedPrefixSpec(groups=2, prompts_per_group=8, system_len=256, question_len=16, output_len=16),
     "multi": MultiTurnSpec(clients=4, rounds=3, request_len=32, output_len=16, max_parallel=4),
+    "long_shared": SharedPrefixSpec(groups=2, prompts_per_group=4, system_len=512, question_len=16, output_len=8),
 }
 _SIZE_FLAGS = {  # flag suffix -> (spec key, field)
     "random-count": ("random", "count"),
@@ -49,6 +51,7 @@ _SIZE_FLAGS = {  # flag suffix -> (spec key, field)
     "multi-request-len": ("multi", "request_len"),
     "multi-output-len": ("multi", "output_len"),
     "multi-max-parallel": ("multi", "max_parallel"),
+    "long-system-len": ("long_shared", "system_len"),
 }
 
 
@@ -76,7 +79,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-bytes", type=int, default=384 << 20, help="KV pool of every engine")
     p.add_argument("--max-rows", type=int, default=64, help="worker rows = scheduler max running")
     p.add_argument("--max-prefill-tokens", type=int, default=2048, help="prefill budget per step")
-    p.add_argument("--hf-batch-size", type=int, default=16, help="batch size of transformers generate")
+    p.add_argument("--hf-batch-sizes", default="16,64",
+                   help="batch sizes of transformers generate (comma-separated); the better run counts")
+    p.add_argument("--prefill-lens", default=None, help="cold prompt lengths for TTFT (default 1024,4096; quick 256)")
     p.add_argument("--no-hf-continuous", action="store_true", help="skip transformers continuous batching")
     p.add_argument("--multi-rate", type=float, default=None, help="multi-turn requests/s (default: unbounded)")
     for flag, (_, field) in _SIZE_FLAGS.items():
@@ -98,6 +103,16 @@ def _specs(args: argparse.Namespace) -> dict[str, Any]:
     if args.multi_rate is not None:
         specs["multi"] = dataclasses.replace(specs["multi"], request_rate=args.multi_rate)
     return specs
+
+
+def _ints(flag: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise SystemExit(f"strata bench: {flag} takes positive integers separated by commas, got {text!r}")
+    return values
 
 
 def _ensure_model(model: Path) -> Path:
@@ -158,7 +173,9 @@ def run_bench(args: argparse.Namespace) -> int:
         kv_cache_bytes=args.kv_cache_bytes,
         max_rows=args.max_rows,
         max_prefill_tokens=args.max_prefill_tokens,
-        hf_batch_size=args.hf_batch_size,
+        hf_batch_sizes=_ints("--hf-batch-sizes", args.hf_batch_sizes),
+        prefill_lens=_ints("--prefill-lens", args.prefill_lens or ("256" if args.quick else "1024,4096")),
+        long_shared=specs["long_shared"],
         hf_continuous=not args.no_hf_continuous,
         random=specs["random"],
         shared=specs["shared"],

@@ -142,10 +142,13 @@ class Comparison:
     b: str
     value: float
     goal: float | None
+    lower_is_better: bool = False  # a time ratio (TTFT / forward, step / floor): met when <= goal
 
     @property
     def met(self) -> bool | None:
-        return None if self.goal is None else self.value >= self.goal
+        if self.goal is None:
+            return None
+        return self.value <= self.goal if self.lower_is_better else self.value >= self.goal
 
 
 @dataclass(slots=True)

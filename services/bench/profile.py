@@ -24,9 +24,10 @@ def profile_in_process(
     vocab_size: int,
     top: int,
     timeout_s: float | None = None,
-) -> str:
+) -> tuple[str, float]:
     """Run ``workload`` once on ``engine`` under two profilers; return the printable report
-    (``top`` functions per thread, paths relative to the working directory)."""
+    (``top`` functions per thread, paths relative to the working directory) and the share of the
+    engine's step time spent in attention (``attention_share``)."""
     loop_prof, engine_prof = cProfile.Profile(), cProfile.Profile()
     profiled = ProfiledEngine(engine, engine_prof)
 
@@ -44,7 +45,29 @@ def profile_in_process(
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
         parts.append(f"--- {name}\n{_trim_profile(buf.getvalue())}")
-    return "\n".join(parts)
+    share = attention_share(pstats.Stats(engine_prof))
+    parts.append(f"--- attention: {share:.1%} of engine step time")
+    return "\n".join(parts), share
+
+
+# The top-level attention entry points of every path (each layer calls exactly one of them).
+_ATTENTION_FUNCS = ("run_attention", "decode_attention", "extend_attention", "decode_attention_torch",
+                    "extend_attention_torch", "cascade_decode_attention")
+
+
+def attention_share(stats: pstats.Stats) -> float:
+    """Cumulative time in the attention entry points of ``kernels/`` over the cumulative time of the
+    engine's ``step``; the launchers of one path never call each other's entry points, except a
+    launcher calling its own torch reference (counted once: only the outermost is summed)."""
+    table = stats.stats  # type: ignore[attr-defined]
+    attention = step = 0.0
+    for (path, _line, name), (_cc, _nc, _tt, ct, callers) in table.items():
+        if name == "step" and path.endswith("services/worker/engine.py"):
+            step = max(step, ct)
+        elif "/kernels/" in path and name in _ATTENTION_FUNCS:
+            nested = any(c[2] in _ATTENTION_FUNCS and "/kernels/" in c[0] for c in callers)
+            attention += 0.0 if nested else ct
+    return attention / step if step else 0.0
 
 
 def _trim_profile(text: str) -> str:

@@ -107,12 +107,12 @@ def _ms(p: Percentiles | None) -> str:
 
 
 def _verdict(c: Comparison) -> str:
-    if c.met is None:
+    if c.met is None or c.goal is None:
         return "(no goal)"
+    sign = "≤" if c.lower_is_better else "≥"
     if c.met:
-        return f"met (≥ {c.goal:g})"
-    assert c.goal is not None
-    return f"**missed** by {(c.goal - c.value) / c.goal:.1%} (goal ≥ {c.goal:g})"
+        return f"met ({sign} {c.goal:g})"
+    return f"**missed** by {abs(c.goal - c.value) / c.goal:.1%} (goal {sign} {c.goal:g})"
 
 
 def markdown(r: BenchResults, plot_dir: str = "bench") -> str:

@@ -5,9 +5,17 @@
     multi_turn multi-turn workload, cache on vs off                     cached / ideal    (reported)
     stack      shared-prefix workload at --concurrency, gRPC stack vs in-process
                                                                          throughput ratio  >= 0.90
-    hf         shared-prefix workload, Strata (gRPC stack) vs transformers generate and
-               continuous batching                                       throughput ratio  >= 3
-    profile    cProfile of one in-process run (engine stepped on the event-loop thread)
+    hf         shared-prefix and random workloads, Strata (gRPC stack) vs transformers generate
+               (the better of its batch sizes, per repeat) and continuous batching
+                                                                         throughput ratio  >= 2 / >= 1
+    long_prefix the shared-prefix workload with a 2,048-token system prompt, the same comparison
+                                                                         throughput ratio  >= 3
+    prefill    TTFT of a cold 1,024- and 4,096-token prompt (in-process scheduler + engine) vs one
+               transformers forward over the same ids                    time ratio        <= 1.1
+    decode_floor a batch-64 decode step (shared-prefix shape) vs the machine's floor measured in
+               the same run, for the reference, flat and cascade attention paths  time ratio <= 2.5
+    profile    cProfile of one in-process run (engine stepped on the event-loop thread) and the
+               share of engine time spent in attention                   share             <= 0.40
 
 Sides of a ratio alternate ``repeats`` times (A B A B ...) and the median of each side is compared,
 so slow drift of a shared machine hits both sides alike. Every in-process run gets a fresh engine.
@@ -47,8 +55,10 @@ from services.bench.workloads import (
 )
 from services.scheduler.loop import LoopConfig
 
-Section = Literal["cache", "multi_turn", "stack", "overlap", "hf", "profile"]
-SECTIONS: tuple[Section, ...] = ("cache", "multi_turn", "stack", "overlap", "hf", "profile")
+Section = Literal["cache", "multi_turn", "stack", "overlap", "hf", "long_prefix", "prefill", "decode_floor",
+                  "profile"]
+SECTIONS: tuple[Section, ...] = ("cache", "multi_turn", "stack", "overlap", "hf", "long_prefix", "prefill",
+                                 "decode_floor", "profile")
 PROFILE_TOP = 12  # functions listed per profile
 
 
@@ -62,10 +72,12 @@ class BenchConfig:
     kv_cache_bytes: int = 384 << 20
     max_rows: int = 64
     max_prefill_tokens: int = 2048
-    hf_batch_size: int = 16
+    hf_batch_sizes: tuple[int, ...] = (16, 64)  # transformers generate runs each, the better one counts
     hf_continuous: bool = True
     random: RandomSpec = field(default_factory=RandomSpec)
     shared: SharedPrefixSpec = field(default_factory=SharedPrefixSpec)
+    long_shared: SharedPrefixSpec = field(default_factory=lambda: SharedPrefixSpec(system_len=2048))
+    prefill_lens: tuple[int, ...] = (1024, 4096)
     multi: MultiTurnSpec = field(default_factory=MultiTurnSpec)
     run_dir: Path | None = None  # stack logs; None = a temporary folder
     run_timeout_s: float = 600.0  # a run still going after this is cut off, its requests failed
@@ -203,19 +215,12 @@ class Suite:
         self.ratio("prefix cache cost: random, cache on / off", on, off, 0.98)
         s = shared_prefix_workload(self.cfg.shared, self.vocab, self.cfg.seed)
         self.say(f"  workload {s.describe()}")
-        m_on = self.in_process("shared prefix · in-process · cache on", s, "radix")
-        m_off = self.in_process("shared prefix · in-process · cache off", s, "none")
-        self.reuse("prefix reuse: shared prefix, in-process, cache on", m_on, 0.95)
-        self._compare(
-            Comparison(
-                "shared prefix speed-up, cache on / off",
-                "total tokens/s",
-                m_on.label,
-                m_off.label,
-                m_on.total_throughput / m_off.total_throughput,
-                None,
-            )
+        s_on, s_off = self.alternate(
+            lambda i: self.in_process(f"shared prefix · in-process · cache on #{i + 1}", s, "radix"),
+            lambda i: self.in_process(f"shared prefix · in-process · cache off #{i + 1}", s, "none"),
         )
+        self.reuse("prefix reuse: shared prefix, in-process, cache on", s_on[0], 0.95)
+        self.ratio("shared prefix speed-up, cache on / off", s_on, s_off, 2.0)
 
     def section_multi_turn(self) -> None:
         w = multi_turn_workload(self.cfg.multi, self.vocab, self.cfg.seed)
@@ -279,18 +284,45 @@ class Suite:
                                  runs[False].label, "", busy[False], None))  # fmt: skip
         self.ratio("overlap: throughput on / off", [runs[True]], [runs[False]], None)
 
+    def _hf_best(self, model: Any, workload: Workload, label: str) -> RunMetrics:
+        """transformers generate at each batch size of the config; the faster run is returned (every
+        run is recorded)."""
+        runs = []
+        for bs in self.cfg.hf_batch_sizes:
+            recs, duration = hf.hf_batched(model, workload, bs, self.say)
+            runs.append(self._record(f"{label} · transformers generate (batch {bs})", recs, duration, False))
+        return max(runs, key=lambda m: m.total_throughput)
+
+    def _versus_hf(self, name: str, model: Any, spec: SharedPrefixSpec | RandomSpec, goal: float) -> None:
+        """Strata (gRPC stack) and transformers generate alternated on the same prompts (seed + i
+        on both sides in repeat i), compared pair by pair."""
+
+        def w(i: int) -> Workload:
+            if isinstance(spec, RandomSpec):
+                return random_workload(spec, self.vocab, self.cfg.seed + i)
+            return shared_prefix_workload(spec, self.vocab, self.cfg.seed + i)
+
+        tag = w(0).name
+        self.say(f"  workload {w(0).describe()}, concurrency {self.cfg.concurrency}")
+        with self.stack() as address:
+            strata, theirs = self.alternate(
+                lambda i: self.over_grpc(f"{tag} · gRPC stack #{i + 1}", address, w(i)),
+                lambda i: self._hf_best(model, w(i), f"{tag} #{i + 1}"),
+            )
+        self.ratio(name, strata, theirs, goal)
+
     def section_hf(self) -> None:
-        s = shared_prefix_workload(self.cfg.shared, self.vocab, self.cfg.seed)
-        strata = self._stack_runs
-        if strata is None:
-            with self.stack() as address:
-                strata = [self.over_grpc("shared prefix · gRPC stack #1", address, s)]
         model = hf.load_hf_model(self.cfg.model)
-        bs = self.cfg.hf_batch_size
-        recs, duration = hf.hf_batched(model, s, bs, self.say)
-        batched = self._record(f"shared prefix · transformers generate (batch {bs})", recs, duration, False)
-        self.ratio("Strata (gRPC stack) / transformers generate", strata, [batched], 3.0)
+        self._versus_hf("shared prefix: Strata (gRPC stack) / transformers generate (best batch)", model,
+                        self.cfg.shared, 2.0)
+        self._versus_hf("random, no reuse: Strata (gRPC stack) / transformers generate (best batch)", model,
+                        self.cfg.random, 1.0)
         if self.cfg.hf_continuous:
+            s = shared_prefix_workload(self.cfg.shared, self.vocab, self.cfg.seed)
+            strata = self._stack_runs
+            if strata is None:
+                with self.stack() as address:
+                    strata = [self.over_grpc("shared prefix · gRPC stack #1", address, s)]
             try:
                 recs, duration = hf.hf_continuous(model, s, self.say)
                 cont = self._record("shared prefix · transformers continuous batching", recs, duration, False)
@@ -300,10 +332,59 @@ class Suite:
             else:
                 self.ratio("Strata (gRPC stack) / transformers continuous batching", strata, [cont], 3.0)
 
+    def section_long_prefix(self) -> None:
+        model = hf.load_hf_model(self.cfg.model)
+        self._versus_hf(
+            f"{self.cfg.long_shared.system_len}-token shared prefix: Strata (gRPC stack) / transformers generate "
+            "(best batch)", model, self.cfg.long_shared, 3.0,
+        )
+
+    def section_prefill(self) -> None:
+        """Cold prompts (nothing cached, fresh ids each repeat) through the in-process scheduler and
+        engine — TTFT from submission to the first token, chunked by the prefill budget — against one
+        transformers forward over the same ids, alternated."""
+        from services.bench.speed import hf_forward_s
+
+        model = hf.load_hf_model(self.cfg.model)
+        for n in self.cfg.prefill_lens:
+            ratios, ours, theirs = [], [], []
+            for i in range(self.cfg.repeats):
+                w = random_workload(RandomSpec(count=1, input_len=n, output_len=1), self.vocab, self.cfg.seed + i)
+                m = self.in_process(f"cold {n}-token prompt · in-process #{i + 1}", w, "radix", concurrency=1)
+                ttft = m.ttft_s.mean if m.ttft_s is not None else float("nan")
+                forward = hf_forward_s(model, w.conversations[0][0].prompt_for([]))
+                self.say(f"    TTFT {ttft:.3f}s, one transformers forward {forward:.3f}s")
+                ours.append(ttft)
+                theirs.append(forward)
+                ratios.append(ttft / forward)
+            self.results.notes.append(
+                f"cold {n}-token prompt: TTFT {_spread(ours)} s, transformers forward {_spread(theirs)} s, "
+                f"ratio {_spread(ratios)}"
+            )
+            self._compare(Comparison(f"cold {n}-token prompt: TTFT / one transformers forward",
+                                     f"seconds, median of {len(ratios)} paired runs", "Strata in-process",
+                                     "transformers forward", statistics.median(ratios), 1.1, lower_is_better=True))
+
+    def section_decode_floor(self) -> None:
+        from services.bench.speed import decode_floor, machine_rates
+
+        for attention in ("reference", "flat", "cascade"):
+            ratios = []
+            for _ in range(self.cfg.repeats):
+                gflops, gbs = machine_rates()
+                f = decode_floor(self.cfg.model, attention, gflops, gbs, seed=self.cfg.seed)
+                self.say(f"  decode step at batch {f.batch}, {f.describe()}")
+                self.results.notes.append(f"decode step, batch {f.batch}, {f.describe()}")
+                ratios.append(f.ratio)
+            self._compare(Comparison(f"decode step at batch 64 / machine floor ({attention} attention)",
+                                     f"seconds, median of {len(ratios)} (spread {_spread(ratios)})", attention,
+                                     "floor", statistics.median(ratios), 2.5 if attention == "cascade" else None,
+                                     lower_is_better=True))
+
     def section_profile(self) -> None:
         s = shared_prefix_workload(self.cfg.shared, self.vocab, self.cfg.seed)
         t0 = time.perf_counter()
-        self.results.profile = profile_in_process(
+        self.results.profile, share = profile_in_process(
             self._engine(),
             self._loop_cfg("radix"),
             s,
@@ -313,6 +394,14 @@ class Suite:
             self.cfg.run_timeout_s,
         )
         self.say(f"  profiled the in-process shared-prefix run ({time.perf_counter() - t0:.1f}s)")
+        self._compare(Comparison("attention share of engine time (shared-prefix profile)",
+                                 "cumulative attention time / Engine.step time", "attention", "engine", share, 0.40,
+                                 lower_is_better=True))
+
+
+def _spread(values: list[float]) -> str:
+    """``median (min–max)`` of ``values``."""
+    return f"{statistics.median(values):.3f} ({min(values):.3f}–{max(values):.3f})"
 
 
 def _load(address: str) -> Any:
