@@ -13,7 +13,7 @@ PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := strata/.generated
 PORT ?= 50051
 
-.PHONY: native run test test-all soak bench bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid soak-hicache lint protos install system-deps models clean
+.PHONY: native bench-attention run test test-all soak bench bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid soak-hicache lint protos install system-deps models clean
 
 run: install models
 	$(BIN)/strata up --model $(TINY) --port $(PORT)
@@ -62,6 +62,11 @@ soak-hicache: install models
 # 1k/2k/4k tokens (~1 min on 2 cores); writes docs/bench/hicache.json and prints the table of docs/benchmarks.md.
 bench-hicache: install $(BENCH_MODEL)/config.json
 	$(BIN)/python -m services.bench.hicache --model $(BENCH_MODEL)
+
+# Attention paths (reference, flat, cascade; gathered or native) on the bench model's shapes against
+# the floor measured in the same run (~1 min); prints a table.
+bench-attention: install
+	$(BIN)/python benchmarks/attention_micro.py
 
 bench-hicache-hybrid: install $(BENCH_NEXT)/config.json
 	$(BIN)/python -m services.bench.hicache --model $(BENCH_NEXT)
