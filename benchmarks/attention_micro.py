@@ -21,12 +21,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import native  # noqa: E402
-from kernels.attention import decode_attention_torch, extend_attention_torch  # noqa: E402
-from kernels.attention_cpu import plan_attention, run_attention  # noqa: E402
-from kernels.prefix_groups import find_prefix_groups  # noqa: E402
-from services.bench.speed import machine_rates  # noqa: E402
-from services.worker.host_malloc import keep_large_blocks_on_heap  # noqa: E402
+from kernels import native
+from kernels.attention import decode_attention_torch, extend_attention_torch
+from kernels.attention_cpu import plan_attention, run_attention
+from kernels.prefix_groups import find_prefix_groups
+from services.bench.speed import machine_rates
+from services.worker.host_malloc import keep_large_blocks_on_heap
 
 HQ, HKV, D = 8, 4, 64
 SCALE = D**-0.5
@@ -66,41 +66,47 @@ def decode_case(shared: bool) -> tuple[torch.Tensor, list[int], list[int], int]:
     return table, list(range(64)), lens, distinct
 
 
+def decode_rows(
+    name: str, shared: bool, k_cache: torch.Tensor, v_cache: torch.Tensor, gflops: float, gbs: float
+) -> None:
+    table, rows, lens, distinct = decode_case(shared)
+    q = torch.randn(64, HQ, D)
+    starts = [n - 1 for n in lens]
+    new = torch.stack([table[r, n - 1] for r, n in zip(rows, lens, strict=True)])
+    k_new, v_new = k_cache[new], v_cache[new]
+    flops = 4 * HQ * D * sum(lens)
+    floor = max(flops / gflops / 1e9, distinct * 2 * HKV * D * 4 / gbs / 1e9)
+    paths = {
+        "reference": lambda: decode_attention_torch(q, k_cache, v_cache, table, torch.tensor(rows),
+                                                    torch.tensor(lens), SCALE),
+    }
+    for label, grouped, nat in (("flat, gathered", False, False), ("flat, native", False, True),
+                                ("cascade, gathered", True, False), ("cascade, native", True, True)):
+        if nat and native.load() is None:
+            continue
+        groups = find_prefix_groups(table, rows, starts) if grouped else None
+        plan = plan_attention(table, rows, starts, [1] * 64, groups, nat)
+        paths[label] = lambda plan=plan: run_attention(plan, q, k_new, v_new, k_cache, v_cache, SCALE)
+    for label, fn in paths.items():
+        t = timed(fn)
+        print(f"| {name} | {label} | {t * 1e3:.2f} | {floor * 1e3:.2f} | {t / floor:.2f} |")
+    t_find = timed(lambda: find_prefix_groups(table, rows, starts))
+    t_plan = timed(lambda: plan_attention(table, rows, starts, [1] * 64, find_prefix_groups(table, rows, starts),
+                                          native.load() is not None))
+    print(f"| {name} | finding the groups (once per step) | {t_find * 1e3:.2f} | | |")
+    print(f"| {name} | groups + plan (once per step) | {t_plan * 1e3:.2f} | | |")
+
+
 def main() -> None:
     keep_large_blocks_on_heap()
     gflops, gbs = machine_rates()
     print(f"machine: fp32 GEMM {gflops:.0f} GFLOP/s, copy {gbs:.1f} GB/s, torch threads {torch.get_num_threads()}, "
           f"native paged decode {'built' if native.load() is not None else 'unavailable'}")
-    slot_bytes = 2 * HKV * D * 4
+    slot_bytes = 2 * HKV * D * 4  # K and V of one token in one layer
     k_cache, v_cache = torch.randn(200_000, HKV, D), torch.randn(200_000, HKV, D)
     print("\n| case | path | ms | floor ms | x floor |\n|---|---|---:|---:|---:|")
     for name, shared in (("decode, 4 groups x 16 on 512 + 64", True), ("decode, 64 x 288 unrelated", False)):
-        table, rows, lens, distinct = decode_case(shared)
-        q = torch.randn(64, HQ, D)
-        starts = [n - 1 for n in lens]
-        new = torch.stack([table[r, n - 1] for r, n in zip(rows, lens, strict=True)])
-        k_new, v_new = k_cache[new], v_cache[new]
-        flops = 4 * HQ * D * sum(lens)
-        floor = max(flops / gflops / 1e9, distinct * slot_bytes / gbs / 1e9)
-        paths = {
-            "reference": lambda: decode_attention_torch(q, k_cache, v_cache, table, torch.tensor(rows),
-                                                        torch.tensor(lens), SCALE),
-        }
-        for label, grouped, nat in (("flat, gathered", False, False), ("flat, native", False, True),
-                                    ("cascade, gathered", True, False), ("cascade, native", True, True)):
-            if nat and native.load() is None:
-                continue
-            groups = find_prefix_groups(table, rows, starts) if grouped else None
-            plan = plan_attention(table, rows, starts, [1] * 64, groups, nat)
-            paths[label] = lambda plan=plan: run_attention(plan, q, k_new, v_new, k_cache, v_cache, SCALE)
-        for label, fn in paths.items():
-            t = timed(fn)
-            print(f"| {name} | {label} | {t * 1e3:.2f} | {floor * 1e3:.2f} | {t / floor:.2f} |")
-        t_find = timed(lambda table=table, rows=rows, starts=starts: find_prefix_groups(table, rows, starts))
-        t_plan = timed(lambda table=table, rows=rows, starts=starts: plan_attention(
-            table, rows, starts, [1] * 64, find_prefix_groups(table, rows, starts), native.load() is not None))
-        print(f"| {name} | finding the groups (once per step) | {t_find * 1e3:.2f} | | |")
-        print(f"| {name} | groups + plan (once per step) | {t_plan * 1e3:.2f} | | |")
+        decode_rows(name, shared, k_cache, v_cache, gflops, gbs)
     for n in (1024, 4096):
         table = torch.arange(1, n + 1, dtype=torch.int64)[None]
         q, k_new, v_new = torch.randn(n, HQ, D), k_cache[1 : n + 1], v_cache[1 : n + 1]
