@@ -101,6 +101,72 @@ def cases_attention() -> Results:
     return out
 
 
+def cases_cascade() -> Results:
+    """The cascade decode: its two Triton kernels against their torch references, and the whole
+    cascade (Triton, then torch) against the flat reference decode on rows that really share slots."""
+    from kernels.attention import decode_attention_torch
+    from kernels.cascade_triton import (
+        cascade_decode_attention,
+        shared_prefix_decode_torch,
+        shared_prefix_decode_triton,
+        tail_decode_torch,
+        tail_decode_triton,
+    )
+    from kernels.prefix_groups import PrefixGroups
+
+    out: Results = {}
+    cases = {
+        # name: (Hq, Hkv, D, dtype, group sizes and shared lengths, lone requests)
+        "cascade/gqa2_three_groups": (4, 2, 16, torch.float32, [(5, 37), (2, 20), (3, 64)], 2),
+        "cascade/mha_d24": (2, 2, 24, torch.float32, [(4, 33)], 1),  # D padded, 2 key blocks
+        "cascade/gqa4_fp16": (8, 2, 16, torch.float16, [(3, 40), (2, 17)], 1),
+    }
+    g = torch.Generator().manual_seed(0)
+    for name, (hq, hkv, d, dtype, spec, alone) in cases.items():
+        batch = sum(n for n, _ in spec) + alone
+        k_cache = torch.randn(600, hkv, d, generator=g).to(dtype)
+        v_cache = torch.randn(600, hkv, d, generator=g).to(dtype)
+        free = torch.randperm(600, generator=g).tolist()
+        table = torch.zeros(batch + 1, 128, dtype=torch.int64)
+        seq_lens, groups, b = [], [], 0
+        for n, shared in spec:
+            head = [free.pop() for _ in range(shared)]
+            members = []
+            for _ in range(n):
+                own = 1 + len(members) * 3  # tails of different lengths, the new token last
+                table[b, :shared] = torch.tensor(head)
+                table[b, shared : shared + own] = torch.tensor([free.pop() for _ in range(own)])
+                seq_lens.append(shared + own)
+                members.append(b)
+                b += 1
+            groups.append((members, shared))
+        for _ in range(alone):
+            table[b, :45] = torch.tensor([free.pop() for _ in range(45)])
+            seq_lens.append(45)
+            b += 1
+        rows = torch.arange(batch)
+        seq = torch.tensor(seq_lens)
+        grouping = PrefixGroups.from_lists(groups, batch)
+        q = torch.randn(batch, hq, d, generator=g).to(dtype)
+        tol = HALF_TOLERANCE if dtype == torch.float16 else FP32_TOLERANCE
+        args = (q, k_cache, v_cache, table, rows)
+        o_ref, lse_ref = shared_prefix_decode_torch(*args, grouping, 0.3)
+        o_tri, lse_tri = shared_prefix_decode_triton(*args, grouping, 0.3)
+        members = grouping.members_t
+        out[f"{name}/shared"] = (max(rel_err(o_tri[members], o_ref[members]),
+                                     rel_err(lse_tri[members], lse_ref[members])), tol)
+        lone = torch.tensor([i for i in range(batch) if grouping.kv_start[i] == 0])
+        out[f"{name}/shared_untouched"] = (float(o_tri[lone].abs().max()) + float(lse_tri[lone].isfinite().any()), 0.0)
+        o_ref, lse_ref = tail_decode_torch(*args, grouping.kv_start_t, seq, 0.3)
+        o_tri, lse_tri = tail_decode_triton(*args, grouping.kv_start_t, seq, 0.3)
+        out[f"{name}/tail"] = (max(rel_err(o_tri, o_ref), rel_err(lse_tri, lse_ref)), tol)
+        flat = decode_attention_torch(q, k_cache, v_cache, table, rows, seq, 0.3)
+        for impl in ("triton", "torch"):
+            got = cascade_decode_attention(q, k_cache, v_cache, table, rows, seq, grouping, 0.3, impl=impl)
+            out[f"{name}/cascade_{impl}_vs_flat"] = (rel_err(got, flat), tol)
+    return out
+
+
 def cases_bitmask() -> Results:
     from kernels.bitmask import apply_token_bitmask, bitmask_from_allowed
 
@@ -182,6 +248,10 @@ _INDEX_ARGS = {
     "req_to_token",
     "seq_lens",
     "state_indices",
+    "members",
+    "group_starts",
+    "shared_lens",
+    "kv_start",
 }
 
 
@@ -195,15 +265,19 @@ def compile_for_sm90() -> dict[str, str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
 
-    from kernels import attention, bitmask, conv1d, gated_delta, kv_store
+    from kernels import attention, bitmask, cascade_triton, conv1d, gated_delta, kv_store
 
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
     options = backend.parse_options({"num_warps": 4}).__dict__
 
-    def arg_type(name: str, dtype: str) -> str:
+    def arg_type(name: str, dtype: str, kernel_name: str = "") -> str:
         if name.startswith("stride") or name in ("num_tokens", "vocab_size"):
             return "i32"
+        if name == "lse":
+            return "*fp32"
+        if name == "o" and kernel_name.startswith("cascade"):
+            return "*fp32"
         if name == "scale_log2e":
             return "fp32"
         if name in _INDEX_ARGS:
@@ -218,6 +292,9 @@ def compile_for_sm90() -> dict[str, str]:
                              {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 64, "BLOCK_N": 64}),
         "decode_attention": (attention._decode_kernel,
                              {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64}),
+        "cascade_shared": (cascade_triton._shared_kernel,
+                           {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_Q": 32, "BLOCK_N": 32}),
+        "cascade_tail": (cascade_triton._tail_kernel, {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64}),
         "bitmask": (bitmask._apply_bitmask_kernel, {"BLOCK": 1024}),
         "delta_step": (gated_delta._step_kernel, {**delta, "H": 32}),
         # num_tokens == 1 is specialised to a constant on a GPU: compile that variant too.
@@ -229,7 +306,7 @@ def compile_for_sm90() -> dict[str, str]:
     out = {}
     for name, (kernel, constexprs) in kernels.items():
         signature = {
-            arg: "constexpr" if arg in constexprs else arg_type(arg, "bf16") for arg in kernel.arg_names
+            arg: "constexpr" if arg in constexprs else arg_type(arg, "bf16", name) for arg in kernel.arg_names
         }
         try:
             triton.compile(ASTSource(kernel, signature, constexprs), target=target, options=options)
@@ -242,6 +319,7 @@ def compile_for_sm90() -> dict[str, str]:
 FAMILIES: dict[str, Callable[[], Results]] = {
     "kv_store": cases_kv_store,
     "attention": cases_attention,
+    "cascade": cases_cascade,
     "bitmask": cases_bitmask,
     "gated_delta": cases_gated_delta,
     "conv1d": cases_conv1d,
@@ -280,7 +358,7 @@ def test_triton_kernels_compile_for_a_hopper_gpu() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, f"compile child failed:\n{proc.stdout}\n{proc.stderr}"
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 9
+    assert len(results) == 11
     assert all(status == "ok" for status in results.values()), results
 
 
