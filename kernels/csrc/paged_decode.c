@@ -9,73 +9,89 @@
  *   out      [B, Hq, D]      fp32: softmax(q k^T * scale) v
  *   lse      [B, Hq]         fp32: natural log-sum-exp of the scaled scores (to merge passes)
  *
- * Work item = (request, KV head): its GROUP = Hq / Hkv query heads read each key row once. Scores
- * are computed in one pass, then exponentiated against their maximum, then V is accumulated.
+ * Work item = one request: each slot's K (then V) row — every KV head, Hkv * D contiguous floats —
+ * is read once, front to back, for all Hq query heads (query head h reads KV head h / (Hq / Hkv)).
+ * Scores go to a [Hq, n] scratch row, are exponentiated against their maximum, then V rows are
+ * accumulated. Rows a few slots ahead are prefetched: slots are scattered, so the hardware cannot
+ * guess the next row.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#define PREFETCH_AHEAD 4
+
 int strata_paged_decode_f32(const float *q, const float *k, const float *v, const int64_t *slots,
                             const int64_t *offsets, int64_t batch, int64_t hq, int64_t hkv, int64_t d,
                             float scale, float *out, float *lse) {
     const int64_t group = hq / hkv;
+    const int64_t row = hkv * d;
     int failed = 0;
 #pragma omp parallel
     {
         float *scores = NULL;
-        float *acc = malloc(sizeof(float) * group * d);
         int64_t cap = 0;
+        float *acc = malloc(sizeof(float) * hq * d);
         if (acc == NULL) failed = 1;
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t w = 0; w < batch * hkv; w++) {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t b = 0; b < batch; b++) {
             if (failed) continue;
-            const int64_t b = w / hkv, h = w % hkv;
             const int64_t n = offsets[b + 1] - offsets[b];
             const int64_t *sl = slots + offsets[b];
-            if (n * group > cap) {
+            if (n * hq > cap) {
                 free(scores);
-                cap = n * group;
+                cap = n * hq;
                 scores = malloc(sizeof(float) * cap);
                 if (scores == NULL) { failed = 1; cap = 0; continue; }
             }
-            const float *qh = q + (b * hq + h * group) * d;
+            const float *qb = q + b * hq * d;
             for (int64_t i = 0; i < n; i++) {
-                const float *kr = k + (sl[i] * hkv + h) * d;
-                for (int64_t g = 0; g < group; g++) {
-                    const float *qg = qh + g * d;
+                if (i + PREFETCH_AHEAD < n) {
+                    const char *next = (const char *)(k + sl[i + PREFETCH_AHEAD] * row);
+                    for (int64_t off = 0; off < row * (int64_t)sizeof(float); off += 64) __builtin_prefetch(next + off);
+                }
+                const float *kr = k + sl[i] * row;
+                for (int64_t h = 0; h < hq; h++) {
+                    const float *qh = qb + h * d;
+                    const float *kh = kr + (h / group) * d;
                     float s = 0.f;
 #pragma omp simd reduction(+ : s)
-                    for (int64_t j = 0; j < d; j++) s += qg[j] * kr[j];
-                    scores[g * n + i] = s * scale;
+                    for (int64_t j = 0; j < d; j++) s += qh[j] * kh[j];
+                    scores[h * n + i] = s * scale;
                 }
             }
-            memset(acc, 0, sizeof(float) * group * d);
-            for (int64_t g = 0; g < group; g++) {
-                float *sg = scores + g * n;
-                float m = sg[0];
-                for (int64_t i = 1; i < n; i++) m = sg[i] > m ? sg[i] : m;
+            for (int64_t h = 0; h < hq; h++) {
+                float *sh = scores + h * n;
+                float m = sh[0];
+                for (int64_t i = 1; i < n; i++) m = sh[i] > m ? sh[i] : m;
                 float total = 0.f;
 #pragma omp simd reduction(+ : total)
                 for (int64_t i = 0; i < n; i++) {
-                    sg[i] = expf(sg[i] - m);
-                    total += sg[i];
+                    sh[i] = expf(sh[i] - m);
+                    total += sh[i];
                 }
-                lse[b * hq + h * group + g] = m + logf(total);
+                lse[b * hq + h] = m + logf(total);
                 const float inv = 1.f / total;
-                for (int64_t i = 0; i < n; i++) sg[i] *= inv;
-            }
-            for (int64_t i = 0; i < n; i++) {
-                const float *vr = v + (sl[i] * hkv + h) * d;
-                for (int64_t g = 0; g < group; g++) {
-                    const float p = scores[g * n + i];
-                    float *ag = acc + g * d;
 #pragma omp simd
-                    for (int64_t j = 0; j < d; j++) ag[j] += p * vr[j];
+                for (int64_t i = 0; i < n; i++) sh[i] *= inv;
+            }
+            memset(acc, 0, sizeof(float) * hq * d);
+            for (int64_t i = 0; i < n; i++) {
+                if (i + PREFETCH_AHEAD < n) {
+                    const char *next = (const char *)(v + sl[i + PREFETCH_AHEAD] * row);
+                    for (int64_t off = 0; off < row * (int64_t)sizeof(float); off += 64) __builtin_prefetch(next + off);
+                }
+                const float *vr = v + sl[i] * row;
+                for (int64_t h = 0; h < hq; h++) {
+                    const float p = scores[h * n + i];
+                    const float *vh = vr + (h / group) * d;
+                    float *ah = acc + h * d;
+#pragma omp simd
+                    for (int64_t j = 0; j < d; j++) ah[j] += p * vh[j];
                 }
             }
-            memcpy(out + (b * hq + h * group) * d, acc, sizeof(float) * group * d);
+            memcpy(out + b * hq * d, acc, sizeof(float) * hq * d);
         }
         free(scores);
         free(acc);
