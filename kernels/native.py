@@ -5,7 +5,7 @@ path must gather them into a dense copy first, which writes and reads every key 
 than the attention itself. ``paged_decode`` reads them in place (``kernels/csrc/paged_decode.c``,
 OpenMP over requests × KV heads).
 
-The library is compiled on first use (or by ``python -m kernels.native``, which ``make install``
+The library is compiled (fast math for the compile step only, see _VARIANTS) on first use (or by ``python -m kernels.native``, which ``make install``
 runs) into ``kernels/_build/`` (git-ignored; a temporary folder where that is not writable), named
 by a hash of the source, the flags, the compiler and this CPU's feature flags — ``-march=native``
 code must never run on another processor. Without a C compiler, or if the build fails, the
@@ -31,8 +31,16 @@ import torch
 log = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("csrc") / "paged_decode.c"
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-shared", "-fPIC")
-_LIBS = (("-lmvec", "-lm"), ("-lm",))  # glibc's vector math first (vectorised expf), plain libm else
+_COMPILE = ("-O3", "-march=native", "-fopenmp", "-fPIC")
+_LINK = ("-shared", "-fopenmp")
+# (compile flags, link libraries), tried in order. -ffast-math lets gcc call glibc's vector expf
+# (libmvec), but *linking* with it pulls in crtfastmath.o, whose constructor turns on flush-to-zero
+# for the process that loads the library: every float would lose its subnormals (hypothesis refuses
+# to run then). So fast math is given to the compile step only, never to the link.
+_VARIANTS = (
+    (("-ffast-math",), ("-lmvec", "-lm")),
+    (("-fno-math-errno",), ("-lm",)),
+)
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -61,14 +69,23 @@ def _build_dir() -> Path:
 
 def _compile(cc: str, out: Path) -> bool:
     out.parent.mkdir(parents=True, exist_ok=True)
-    for libs in _LIBS:
+    for flags, libs in _VARIANTS:
+        obj = out.with_suffix(f".{os.getpid()}.o")
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [cc, *_FLAGS, "-o", str(tmp), str(_SRC), *libs]
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if done.returncode == 0:
+        steps = (
+            [cc, *_COMPILE, *flags, "-c", "-o", str(obj), str(_SRC)],
+            [cc, *_LINK, "-o", str(tmp), str(obj), *libs],
+        )
+        for cmd in steps:
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if done.returncode:
+                log.debug("native kernels: %s failed: %s", " ".join(cmd), done.stderr.strip()[:500])
+                break
+        else:
+            obj.unlink(missing_ok=True)
             os.replace(tmp, out)  # atomic: processes building at once never load half a file
             return True
-        log.debug("native kernels: %s failed: %s", " ".join(cmd), done.stderr.strip()[:500])
+        obj.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
     return False
 
@@ -85,17 +102,27 @@ def load() -> ctypes.CDLL | None:
             log.warning("native CPU kernels unavailable (no C compiler on linux): attention gathers keys instead")
             return None
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-        key = hashlib.sha256("\0".join([_SRC.read_text(), *_FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:16]
+        flags = [*_COMPILE, *_LINK, *(f for v in _VARIANTS for part in v for f in part)]
+        key = hashlib.sha256("\0".join([_SRC.read_text(), *flags, version, _cpu_flags()]).encode()).hexdigest()[:16]
         path = _build_dir() / f"paged_decode-{key}.so"
         if not path.exists() and not _compile(cc, path):
             log.warning("native CPU kernels failed to build with %s: attention gathers keys instead", cc)
             return None
         lib = ctypes.CDLL(str(path))
+        if not subnormals_survive():
+            log.error("loading %s turned on flush-to-zero for this process; rebuild it without fast math", path)
         fn = lib.strata_paged_decode_f32
         fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
         fn.restype = ctypes.c_int
         _lib = lib
         return lib
+
+
+def subnormals_survive() -> bool:
+    """False when this thread flushes subnormal floats to zero (what a fast-math library's
+    constructor does to the process that loads it)."""
+    tiny = float.fromhex("0x1p-1022")  # the smallest normal double
+    return tiny / 4 > 0.0
 
 
 def paged_decode_available(dtype: torch.dtype) -> bool:

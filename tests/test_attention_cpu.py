@@ -133,6 +133,15 @@ def test_the_native_kernel_is_built_where_a_compiler_exists() -> None:
         assert native.load() is not None
 
 
+def test_loading_the_native_kernel_keeps_subnormal_floats() -> None:
+    """A fast-math build links crtfastmath.o, which sets flush-to-zero for the whole process on
+    load (it broke hypothesis here once); the build must not."""
+    if native.load() is None:
+        pytest.skip("no C compiler here")
+    assert native.subnormals_survive()
+    assert float(torch.tensor([1e-40], dtype=torch.float32).mul(1.0)) > 0.0
+
+
 def test_native_decode_rejects_what_it_cannot_read() -> None:
     if native.load() is None:
         pytest.skip("no C compiler here")
