@@ -3,13 +3,14 @@
 Torch has no CPU kernel that attends a query to keys scattered over a slot-indexed pool: the torch
 path must gather them into a dense copy first, which writes and reads every key and value once more
 than the attention itself. ``paged_decode`` reads them in place (``kernels/csrc/paged_decode.c``,
-OpenMP over requests × KV heads).
+OpenMP over requests, each slot's K / V row read once for every head).
 
-The library is compiled (fast math for the compile step only, see _VARIANTS) on first use (or by ``python -m kernels.native``, which ``make install``
-runs) into ``kernels/_build/`` (git-ignored; a temporary folder where that is not writable), named
-by a hash of the source, the flags, the compiler and this CPU's feature flags — ``-march=native``
-code must never run on another processor. Without a C compiler, or if the build fails, the
-launchers report unavailable and the callers keep the torch path: same results, slower.
+The library is compiled (fast math in the compile step only, see ``_VARIANTS``) on first use, or
+by ``python -m kernels.native``, which ``make install`` runs, into ``kernels/_build/`` (git-ignored;
+a temporary folder where that is not writable), named by a hash of the source, the flags, the
+compiler and this CPU's feature flags — ``-march=native`` code must never run on another
+processor. Without a C compiler, or if the build fails, the launchers report unavailable and the
+callers keep the torch path: same results, slower.
 """
 
 from __future__ import annotations
