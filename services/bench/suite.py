@@ -146,8 +146,9 @@ class Suite:
         """a / b in total tokens/s. Alternated runs are compared pair by pair (run i of a with run
         i of b, adjacent in time, so they saw the same load) and the median pair ratio is kept."""
         if len(a) == len(b) > 1:
-            value = statistics.median(x.total_throughput / y.total_throughput for x, y in zip(a, b, strict=True))
-            metric = f"total tokens/s, median of {len(a)} paired runs"
+            pairs = [x.total_throughput / y.total_throughput for x, y in zip(a, b, strict=True)]
+            value = statistics.median(pairs)
+            metric = f"total tokens/s, median of {len(a)} paired runs (spread {min(pairs):.3f}–{max(pairs):.3f})"
         else:
             med_a = statistics.median(m.total_throughput for m in a)
             med_b = statistics.median(m.total_throughput for m in b)
@@ -369,7 +370,8 @@ class Suite:
                 f"ratio {_spread(ratios)}"
             )
             self._compare(Comparison(f"cold {n}-token prompt: TTFT / one transformers forward",
-                                     f"seconds, median of {len(ratios)} paired runs", "Strata in-process",
+                                     f"seconds, median of {len(ratios)} paired runs (spread {_spread(ratios)})",
+                                     "Strata in-process",
                                      "transformers forward", statistics.median(ratios), 1.1, lower_is_better=True))
 
     def section_decode_floor(self) -> None:
