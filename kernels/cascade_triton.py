@@ -29,7 +29,9 @@ from kernels.attention_cpu import merge_states
 from kernels.prefix_groups import PrefixGroups
 
 _LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
+# The kernels run their softmax in base 2 (scores pre-multiplied by log2(e)) and store the natural-log
+# LSE the merge expects: ln(sum e^x) = ln(2) * log2(sum 2^(x log2 e)).
+_LN2: tl.constexpr = tl.constexpr(math.log(2.0))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -130,7 +132,7 @@ def _shared_kernel(
         out = acc / l_i[:, None]
         o_ptrs = o + b[:, None] * stride_ob + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out, mask=r_mask[:, None] & d_mask[None, :])
-        tl.store(lse + b * stride_lb + head, m_i + tl.log2(l_i), mask=r_mask)  # base 2; scaled on the host
+        tl.store(lse + b * stride_lb + head, (m_i + tl.log2(l_i)) * _LN2, mask=r_mask)
 
 
 @triton.jit
@@ -170,13 +172,15 @@ def _tail_kernel(
         m_all = m_new
     total = tl.sum(l_i, 0)
     tl.store(o + b * stride_ob + h * stride_oh + offs_d, acc / total, mask=d_mask)
-    tl.store(lse + b * stride_lb + h, m_all + tl.log2(total))
+    tl.store(lse + b * stride_lb + h, (m_all + tl.log2(total)) * _LN2)
 
 
 def shared_prefix_decode_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor, rows: torch.Tensor,
     groups: PrefixGroups, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`shared_prefix_decode_torch` by ``_shared_kernel``: same arguments and results. Unchecked
+    (the launcher checks); ``groups`` tensors are moved to q's device if they are elsewhere."""
     o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
     if groups.num_groups == 0:
@@ -196,13 +200,15 @@ def shared_prefix_decode_triton(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=block_q,
         BLOCK_N=32,
     )  # fmt: skip
-    return o, torch.where(torch.isfinite(lse), lse * _LN2, lse)
+    return o, lse
 
 
 def tail_decode_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor, rows: torch.Tensor,
     kv_start: torch.Tensor, seq_lens: torch.Tensor, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tail_decode_torch` by ``_tail_kernel``: same arguments and results (``kv_start[b] <
+    seq_lens[b]``, unchecked: an empty range gives NaN)."""
     o = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     batch, num_q_heads, head_dim = q.shape
@@ -215,7 +221,7 @@ def tail_decode_triton(
         GROUP=num_q_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=64,
     )  # fmt: skip
-    return o, lse * _LN2
+    return o, lse
 
 
 # --------------------------------------------------------------------------------------------------
