@@ -12,9 +12,7 @@ groups (``flat``: runs read in place, the rest gathered, or the native paged ker
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,7 +23,7 @@ from kernels import native
 from kernels.attention import decode_attention_torch, extend_attention_torch
 from kernels.attention_cpu import plan_attention, run_attention
 from kernels.prefix_groups import find_prefix_groups
-from services.bench.speed import machine_rates
+from services.bench.speed import machine_rates, median_time
 from services.worker.host_malloc import keep_large_blocks_on_heap
 
 HQ, HKV, D = 8, 4, 64
@@ -33,13 +31,7 @@ SCALE = D**-0.5
 
 
 def timed(fn, repeats: int = 7) -> float:  # type: ignore[no-untyped-def]
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_time(fn, repeats)
 
 
 def decode_case(shared: bool) -> tuple[torch.Tensor, list[int], list[int], int]:

@@ -22,6 +22,12 @@
 
 #define PREFETCH_AHEAD 4
 
+/* Prefetch the row of `row` floats at `base + slot * row` (every KV head of one slot). */
+static inline void prefetch_row(const float *base, int64_t slot, int64_t row) {
+    const char *p = (const char *)(base + slot * row);
+    for (int64_t off = 0; off < row * (int64_t)sizeof(float); off += 64) __builtin_prefetch(p + off);
+}
+
 int strata_paged_decode_f32(const float *q, const float *k, const float *v, const int64_t *slots,
                             const int64_t *offsets, int64_t batch, int64_t hq, int64_t hkv, int64_t d,
                             float scale, float *out, float *lse) {
@@ -47,10 +53,7 @@ int strata_paged_decode_f32(const float *q, const float *k, const float *v, cons
             }
             const float *qb = q + b * hq * d;
             for (int64_t i = 0; i < n; i++) {
-                if (i + PREFETCH_AHEAD < n) {
-                    const char *next = (const char *)(k + sl[i + PREFETCH_AHEAD] * row);
-                    for (int64_t off = 0; off < row * (int64_t)sizeof(float); off += 64) __builtin_prefetch(next + off);
-                }
+                if (i + PREFETCH_AHEAD < n) prefetch_row(k, sl[i + PREFETCH_AHEAD], row);
                 const float *kr = k + sl[i] * row;
                 for (int64_t h = 0; h < hq; h++) {
                     const float *qh = qb + h * d;
@@ -78,10 +81,7 @@ int strata_paged_decode_f32(const float *q, const float *k, const float *v, cons
             }
             memset(acc, 0, sizeof(float) * hq * d);
             for (int64_t i = 0; i < n; i++) {
-                if (i + PREFETCH_AHEAD < n) {
-                    const char *next = (const char *)(v + sl[i + PREFETCH_AHEAD] * row);
-                    for (int64_t off = 0; off < row * (int64_t)sizeof(float); off += 64) __builtin_prefetch(next + off);
-                }
+                if (i + PREFETCH_AHEAD < n) prefetch_row(v, sl[i + PREFETCH_AHEAD], row);
                 const float *vr = v + sl[i] * row;
                 for (int64_t h = 0; h < hq; h++) {
                     const float p = scores[h * n + i];

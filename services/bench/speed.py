@@ -22,7 +22,8 @@ GEMM_N = 2048  # square fp32 GEMM for the matmul rate
 COPY_BYTES = 256 << 20  # tensor copied for the copy rate (well past every cache)
 
 
-def _median_time(fn: Any, repeats: int) -> float:
+def median_time(fn: Any, repeats: int) -> float:
+    """Median wall time of ``repeats`` calls of ``fn``, after one untimed call."""
     fn()
     times = []
     for _ in range(repeats):
@@ -35,10 +36,10 @@ def _median_time(fn: Any, repeats: int) -> float:
 def machine_rates(repeats: int = 5) -> tuple[float, float]:
     """(fp32 GEMM GFLOP/s, copy GB/s — bytes copied per second, each read once and written once)."""
     a, b = torch.randn(GEMM_N, GEMM_N), torch.randn(GEMM_N, GEMM_N)
-    gflops = 2 * GEMM_N**3 / _median_time(lambda: a @ b, repeats) / 1e9
+    gflops = 2 * GEMM_N**3 / median_time(lambda: a @ b, repeats) / 1e9
     src = torch.ones(COPY_BYTES // 4)
     dst = torch.empty_like(src)
-    gbs = COPY_BYTES / _median_time(lambda: dst.copy_(src), repeats) / 1e9
+    gbs = COPY_BYTES / median_time(lambda: dst.copy_(src), repeats) / 1e9
     return gflops, gbs
 
 
