@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from services.scheduler.allocator import SlotAllocator
 from services.scheduler.cache.base import CacheKey
-from services.scheduler.cache.radix import RadixCache
+from services.scheduler.cache.tree import PrefixTree
 
 
 def _best_us(fn: Callable[[], object], number: int, rounds: int = 5) -> float:
@@ -27,7 +27,7 @@ def _best_us(fn: Callable[[], object], number: int, rounds: int = 5) -> float:
 
 def _bench_length(n: int, page_size: int, rng: random.Random) -> list[tuple[str, float]]:
     alloc = SlotAllocator(4 * n, page_size)
-    cache = RadixCache(page_size, alloc.free)
+    cache = PrefixTree(page_size, alloc.free)
     tokens = [rng.randrange(150_000) for _ in range(n)]
     packed = array("i", tokens)
     slots = alloc.alloc(n)
@@ -53,7 +53,7 @@ def _bench_length(n: int, page_size: int, rng: random.Random) -> list[tuple[str,
     assert other is not None
     best = float("inf")
     for _ in range(5):
-        c = RadixCache(page_size, lambda s: None)
+        c = PrefixTree(page_size, lambda s: None)
         t = timeit.timeit(functools.partial(c.insert, CacheKey(fresh), other), number=1)
         best = min(best, t * 1e6)
     rows.append(("insert new, array key", best))

@@ -60,8 +60,8 @@ def flush_device(mem: HybridHiMemory, eng: Engine) -> None:
     tree = mem.mcache
     assert tree is not None
     tree.evict(tree.evictable_size)
-    tree.evict_mamba(tree.mamba_evictable)
-    assert tree.evictable_size == tree.mamba_evictable == tree.mamba_protected == 0
+    tree.evict_states(tree.state_evictable)
+    assert tree.evictable_size == tree.state_evictable == tree.state_protected == 0
     assert mem.slots.available == mem.size and mem.states.available == mem.states.size
     for t in (*eng.kv.k, *eng.kv.v):
         t.normal_()

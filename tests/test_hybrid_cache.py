@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.scheduler.cache.mamba_radix import MambaNode, MambaRadixCache
+from services.scheduler.cache.tree import PrefixTree, TreeNode
 from services.scheduler.hybrid_memory import HybridMemory
 from services.scheduler.loop import LoopConfig, SchedulerLoop
 from tests import sched_harness as h
@@ -25,10 +25,10 @@ def _mem(loop: SchedulerLoop) -> HybridMemory:
     return loop.batcher.mem
 
 
-def _tombstones(cache: MambaRadixCache) -> int:
+def _tombstones(cache: PrefixTree) -> int:
     n, stack = 0, list(cache._roots.values())
     while stack:
-        node: MambaNode = stack.pop()
+        node: TreeNode = stack.pop()
         n += node.parent is not None and node.state is None and bool(node.children)
         stack.extend(node.children.values())
     return n
@@ -95,7 +95,7 @@ def test_tombstones_fall_back_to_the_last_state_and_an_exact_insert_revives(tiny
         done = []
         a = await h.one(loop, "a", h.Spec(p, OUT))  # states at 16, 32 (chunk grid), 45 (donated)
         done.append((p, a))
-        assert mem.mcache.evict_mamba(1) == 1  # the least recently used: 16
+        assert mem.mcache.evict_states(1) == 1  # the least recently used: 16
         assert _tombstones(mem.mcache) == 1
         b_prompt = p + a.ids[:5] + tail  # through the tombstone to the donated state at 45
         b = await h.one(loop, "b", h.Spec(b_prompt, OUT))

@@ -175,13 +175,13 @@ def test_admission_waits_for_a_state_slot_instead_of_failing() -> None:
         p = b.plan()
         assert p is not None
         b.commit(p, [(3, None)] * len(p.sampled))
-    assert mem.states.available == 1 and mem.mcache is not None and mem.mcache.mamba_evictable == 1
+    assert mem.states.available == 1 and mem.mcache is not None and mem.mcache.state_evictable == 1
     y = _req("y", [5, 6, 7, 8, 3, 3, 9], 4, ignore_eos=True)
     z = _req("z", [9, 9, 9], 1, ignore_eos=True)
     b.waiting.extend([y, z])
     p = b.plan()
     assert p is not None and p.reqs == [y] and list(b.waiting) == [z]  # z waits, nothing raised
-    assert y.cache_len == 6 and mem.states_evicted == 0 and mem.mcache.mamba_protected == 1
+    assert y.cache_len == 6 and mem.states_evicted == 0 and mem.mcache.state_protected == 1
     b.commit(p, [(3, None)])
     while not b.idle:
         p = b.plan()

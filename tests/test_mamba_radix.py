@@ -14,7 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from services.scheduler.allocator import DoubleFreeError, SlotAllocator
 from services.scheduler.cache.base import CacheHandle, CacheKey, PrefixCache
 from services.scheduler.cache.mamba_policy import StatePolicy, checkpoint_positions, state_eviction_order
-from services.scheduler.cache.mamba_radix import InsertResult, MambaRadixCache
+from services.scheduler.cache.tree import InsertResult, PrefixTree
 from services.scheduler.cache.tree_util import as_array, common_prefix
 from services.scheduler.mamba_alloc import MambaSlotAllocator, min_mamba_slots
 
@@ -27,7 +27,7 @@ class Env:
     ) -> None:
         self.kv = SlotAllocator(kv_size, page_size)
         self.mamba = MambaSlotAllocator(mamba_size)
-        self.cache = MambaRadixCache(page_size, self.kv.free, self.mamba.free_many, policy=policy)
+        self.cache = PrefixTree(page_size, self.kv.free, self.mamba.free_many, state_policy=policy)
 
     def put(self, tokens: list[int]) -> tuple[InsertResult, list[int], int]:
         """A request that computed `tokens` from scratch forks its state and caches KV and fork."""
@@ -46,7 +46,7 @@ class Env:
         c = self.cache
         c.sanity_check()
         assert self.kv.available + c.evictable_size + c.protected_size == self.kv.size
-        assert self.mamba.available + c.mamba_evictable + c.mamba_protected + held_states == self.mamba.size
+        assert self.mamba.available + c.state_evictable + c.state_protected + held_states == self.mamba.size
 
 
 def test_acceptance_scenario() -> None:
@@ -60,7 +60,7 @@ def test_acceptance_scenario() -> None:
         t5      a reader re-reads [1..7]: serves s2; KV of [1 2 3] [4 5] [6 7] touched
     KV leaves by last use: [10 11 12] (t3) < [60 70] (t4) < [6 7] (t5), so evict(1) takes the
     whole leaf [10 11 12] with s3. States by last use: s1 (t1: matches went *through* it, never
-    ended at it) < s4 (t4) < s2 (t5), so evict_mamba(1) turns [1 2 3] into a tombstone.
+    ended at it) < s4 (t4) < s2 (t5), so evict_states(1) turns [1 2 3] into a tombstone.
     """
     env = Env()
     _, _, s1 = env.put([1, 2, 3])
@@ -76,24 +76,24 @@ def test_acceptance_scenario() -> None:
     assert env.served([10, 11, 12]) == 0
     env.check()
 
-    assert env.cache.evict_mamba(1) == 1
+    assert env.cache.evict_states(1) == 1
     assert not env.mamba.is_allocated(s1)
     env.check()
 
     # [1..5] ends at the tombstone [4 5]; its stateful ancestor [1 2 3] is a tombstone too now.
     m = env.cache.match(CacheKey([1, 2, 3, 4, 5]))
-    assert (m.length, m.mamba_slot, m.kv_len) == (0, None, 5)
+    assert (m.length, m.state, m.kv_len) == (0, None, 5)
     m = env.cache.match(CacheKey([1, 2, 3, 4, 5, 60, 70]))
-    assert (m.length, m.mamba_slot) == (7, s4)
+    assert (m.length, m.state) == (7, s4)
     m = env.cache.match(CacheKey([1, 2, 3, 4, 5, 6, 7]))
-    assert (m.length, m.mamba_slot) == (7, s2)
+    assert (m.length, m.state) == (7, s2)
 
     # s4 was used before s2: it goes, and [60 70] being a leaf, its KV with it.
-    assert env.cache.evict_mamba(1) == 1
+    assert env.cache.evict_states(1) == 1
     assert not env.mamba.is_allocated(s4)
     assert env.served([1, 2, 3, 4, 5, 60, 70]) == 0
     assert env.served([1, 2, 3, 4, 5, 6, 7]) == 7
-    assert env.cache.evictable_size == 7 and env.cache.mamba_evictable == 1
+    assert env.cache.evictable_size == 7 and env.cache.state_evictable == 1
     env.check()
 
 
@@ -101,7 +101,7 @@ def test_kv_path_follows_tombstones_and_edges() -> None:
     env = Env()
     _, s123, _ = env.put([1, 2, 3])
     _, s1_7, _ = env.put([1, 2, 3, 4, 5, 6, 7])
-    assert env.cache.evict_mamba(1) == 1  # [1 2 3] becomes a tombstone
+    assert env.cache.evict_states(1) == 1  # [1 2 3] becomes a tombstone
     key = CacheKey([1, 2, 3, 4, 5, 9])
     assert env.served(key.tokens) == 0
     assert env.cache.kv_path(key) == s123 + s1_7[3:5]  # through the tombstone, into an edge
@@ -113,12 +113,12 @@ def test_exact_insert_revives_a_tombstone() -> None:
     env = Env()
     env.put([1, 2, 3])
     env.put([1, 2, 3, 4, 5, 6])
-    assert env.cache.evict_mamba(1) == 1  # [1 2 3]: least recently used, and inner: tombstone
+    assert env.cache.evict_states(1) == 1  # [1 2 3]: least recently used, and inner: tombstone
     assert env.served([1, 2, 3, 9]) == 0
     res, _, fork = env.put([1, 2, 3])
     assert res == InsertResult(3, True)
     m = env.cache.match(CacheKey([1, 2, 3, 9]))
-    assert (m.length, m.mamba_slot) == (3, fork)
+    assert (m.length, m.state) == (3, fork)
     env.check()
 
 
@@ -129,7 +129,7 @@ def test_surplus_fork_is_reported_and_freed() -> None:
     assert res == InsertResult(3, False)
     assert not env.mamba.is_allocated(second) and env.mamba.is_allocated(first)
     m = env.cache.match(CacheKey([1, 2, 3]))
-    assert (m.slots, m.mamba_slot) == (slots, first)
+    assert (m.slots, m.state) == (slots, first)
     env.check()
 
 
@@ -142,7 +142,7 @@ def test_a_checkpoint_inside_an_edge_splits_it() -> None:
     assert fork is not None
     assert env.cache.insert_checkpoint(CacheKey([1, 2, 3]), slots[:3], fork) == InsertResult(3, True)
     m = env.cache.match(CacheKey([1, 2, 3, 9]))
-    assert (m.slots, m.mamba_slot) == (slots[:3], fork)
+    assert (m.slots, m.state) == (slots[:3], fork)
     env.check()
 
 
@@ -167,14 +167,14 @@ def test_locked_states_are_never_evicted() -> None:
     _, _, s_long = env.put([1, 2, 3, 4, 5, 6])
     m = env.cache.match(CacheKey([1, 2, 3, 7]))
     env.cache.lock(m.node)
-    assert (env.cache.mamba_protected, env.cache.mamba_evictable) == (1, 1)
-    assert env.cache.evict_mamba(10) == 1  # only the leaf [4 5 6] (with its KV)
+    assert (env.cache.state_protected, env.cache.state_evictable) == (1, 1)
+    assert env.cache.evict_states(10) == 1  # only the leaf [4 5 6] (with its KV)
     assert env.mamba.is_allocated(s_short) and not env.mamba.is_allocated(s_long)
-    assert env.cache.evict_mamba(1) == 0 and env.cache.evict(10) == 0
-    assert env.cache.match(CacheKey([1, 2, 3])).mamba_slot == s_short
+    assert env.cache.evict_states(1) == 0 and env.cache.evict(10) == 0
+    assert env.cache.match(CacheKey([1, 2, 3])).state == s_short
     env.check()
     env.cache.unlock(m.node)
-    assert env.cache.evict_mamba(1) == 1  # a leaf now: it goes whole
+    assert env.cache.evict_states(1) == 1  # a leaf now: it goes whole
     assert env.kv.available == env.kv.size and env.mamba.available == env.mamba.size
     env.check()
 
@@ -186,7 +186,7 @@ def test_a_lock_keeps_the_kv_path_but_not_ancestor_states() -> None:
     m = env.cache.match(CacheKey([1, 2, 3, 4, 5, 6]))
     env.cache.lock(m.node)
     assert env.cache.protected_size == 6
-    assert env.cache.evict_mamba(10) == 1  # [1 2 3]'s state: its node becomes a tombstone
+    assert env.cache.evict_states(10) == 1  # [1 2 3]'s state: its node becomes a tombstone
     assert env.cache.evict(100) == 0
     assert env.served([1, 2, 3, 4, 5, 6]) == 6 and env.served([1, 2, 3]) == 0
     env.cache.unlock(m.node)
@@ -200,10 +200,10 @@ def test_a_tombstone_left_without_children_is_removed() -> None:
     env.put([1, 2, 3])
     env.put([1, 2, 3, 4, 5, 6])
     env.put([9, 9])
-    assert env.cache.evict_mamba(1) == 1  # [1 2 3] -> tombstone
+    assert env.cache.evict_states(1) == 1  # [1 2 3] -> tombstone
     assert env.cache.evictable_size == 8
     env.served([9, 9])  # [1..6] is now the least recently used leaf
-    assert env.cache.evict_mamba(1) == 1  # the leaf [4 5 6] goes, and the tombstone above it
+    assert env.cache.evict_states(1) == 1  # the leaf [4 5 6] goes, and the tombstone above it
     assert env.cache.evictable_size == 2 and env.kv.available == env.kv.size - 2
     env.check()
 
@@ -214,7 +214,7 @@ def test_stale_and_stateless_handles_are_rejected() -> None:
     env.put([1, 2, 3, 4])
     m = env.cache.match(CacheKey([1, 2, 3]))
     env.served([1, 2, 3, 4])  # the leaf's state is now the more recently used
-    assert env.cache.evict_mamba(1) == 1  # [1 2 3] is a tombstone: the handle's state is gone
+    assert env.cache.evict_states(1) == 1  # [1 2 3] is a tombstone: the handle's state is gone
     with pytest.raises(ValueError):
         env.cache.lock(m.node)
     with pytest.raises(ValueError):
@@ -261,7 +261,7 @@ def test_extra_keys_never_share_nodes() -> None:
     fork = env.mamba.alloc()
     assert own is not None and fork is not None
     env.cache.insert_checkpoint(CacheKey([1, 2, 3], "a"), own, fork)
-    assert env.cache.match(CacheKey([1, 2, 3], "a")).mamba_slot == fork
+    assert env.cache.match(CacheKey([1, 2, 3], "a")).state == fork
     assert env.cache.match(CacheKey([1, 2, 3], "b")).length == 0
     assert env.served([1, 2, 3]) == 0
     env.check()
@@ -301,7 +301,7 @@ def test_marconi_cache_gives_up_a_short_state_before_an_older_long_one() -> None
     env.put(list(range(100, 200)))  # t1: 100 tokens
     env.put([1, 2, 3, 4])  # t2: 4 tokens
     env.put([7, 7, 7, 7, 7, 7, 7, 7])  # t3: 8 tokens
-    assert env.cache.evict_mamba(1) == 1
+    assert env.cache.evict_states(1) == 1
     assert env.served([1, 2, 3, 4]) == 0
     assert env.served(list(range(100, 200))) == 100
     env.check()
@@ -384,7 +384,7 @@ class MambaCacheMachine(RuleBasedStateMachine):
         self.ps = page_size
         self.kv = SlotAllocator(48, page_size)
         self.mamba = MambaSlotAllocator(12)
-        self.cache = MambaRadixCache(page_size, self.free_kv, self.free_mamba, policy=policy)
+        self.cache = PrefixTree(page_size, self.free_kv, self.free_mamba, state_policy=policy)
         self.pages: dict[tuple[str, tuple[int, ...]], list[int]] = {}
         self.page_at: dict[int, tuple[str, tuple[int, ...]]] = {}  # page head slot -> model key
         self.states: dict[tuple[str, tuple[int, ...]], int] = {}
@@ -423,7 +423,7 @@ class MambaCacheMachine(RuleBasedStateMachine):
 
     def take_mamba(self) -> int | None:
         slot = self.mamba.alloc()
-        if slot is None and self.cache.evict_mamba(1):
+        if slot is None and self.cache.evict_states(1):
             slot = self.mamba.alloc()
         return slot
 
@@ -441,13 +441,13 @@ class MambaCacheMachine(RuleBasedStateMachine):
     def match_only(self, tokens: list[int], extra: str) -> None:
         key = CacheKey(tokens, extra)
         m = self.cache.match(key)
-        assert (m.slots, m.mamba_slot, m.kv_len) == self.expected(key)
+        assert (m.slots, m.state, m.kv_len) == self.expected(key)
 
     @rule(tokens=tokens, extra=extras)
     def admit(self, tokens: list[int], extra: str) -> None:
         key = CacheKey(tokens, extra)
         m = self.cache.match(key)
-        assert (m.slots, m.mamba_slot, m.kv_len) == self.expected(key)
+        assert (m.slots, m.state, m.kv_len) == self.expected(key)
         self.cache.lock(m.node)
         state = self.take_mamba()
         need = len(tokens) - m.length
@@ -483,7 +483,7 @@ class MambaCacheMachine(RuleBasedStateMachine):
         want_taken = mamba is not None and p > 0 and (key.extra, tuple(key.tokens)) not in self.states
         res = self.cache.insert_checkpoint(key, slots[:p], mamba)
         assert res == InsertResult(want_cached, want_taken) and res.cached_len >= m
-        if res.mamba_taken:
+        if res.state_taken:
             for end in range(res.cached_len + self.ps, p + 1, self.ps):
                 k = (key.extra, tuple(key.tokens[:end]))
                 self.pages[k] = slots[end - self.ps : end]
@@ -505,10 +505,10 @@ class MambaCacheMachine(RuleBasedStateMachine):
         assert freed >= min(n, before) and self.cache.evictable_size == before - freed
 
     @rule(n=st.integers(0, 2))
-    def evict_mamba(self, n: int) -> None:
-        before = self.cache.mamba_evictable
-        assert self.cache.evict_mamba(n) == min(n, before)
-        assert self.cache.mamba_evictable == before - min(n, before)
+    def evict_states(self, n: int) -> None:
+        before = self.cache.state_evictable
+        assert self.cache.evict_states(n) == min(n, before)
+        assert self.cache.state_evictable == before - min(n, before)
 
     @invariant()
     def accounting(self) -> None:
@@ -519,12 +519,12 @@ class MambaCacheMachine(RuleBasedStateMachine):
         held_kv = sum(len(r.own) for r in self.reqs)
         assert self.kv.available + c.evictable_size + c.protected_size + held_kv == self.kv.size
         held = len(self.reqs)
-        assert self.mamba.available + c.mamba_evictable + c.mamba_protected + held == self.mamba.size
+        assert self.mamba.available + c.state_evictable + c.state_protected + held == self.mamba.size
         assert sum(len(p) for p in self.pages.values()) == c.total_size()
-        assert len(self.states) == c.mamba_evictable + c.mamba_protected
+        assert len(self.states) == c.state_evictable + c.state_protected
         assert all(self.mamba.is_allocated(s) for s in self.states.values())
         locked = {id(r.node) for r in self.reqs if r.match_len}
-        assert c.mamba_protected == len(locked)
+        assert c.state_protected == len(locked)
 
 
 MambaCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)

@@ -14,7 +14,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from services.scheduler.allocator import SlotAllocator
 from services.scheduler.cache.base import CacheEvent, CacheHandle, CacheKey, NoCache, PrefixCache
-from services.scheduler.cache.radix import EvictionPolicy, RadixCache, _common_prefix
+from services.scheduler.cache.tree import EvictionPolicy, PrefixTree
+from services.scheduler.cache.tree_util import common_prefix as _common_prefix
 
 SIZE = 64
 
@@ -25,7 +26,7 @@ class Env:
     def __init__(self, page_size: int = 1, policy: EvictionPolicy = "lru", size: int = SIZE) -> None:
         self.alloc = SlotAllocator(size, page_size)
         self.events: list[CacheEvent] = []
-        self.cache = RadixCache(page_size, self.alloc.free, policy=policy, on_event=self.events.append)
+        self.cache = PrefixTree(page_size, self.alloc.free, eviction=policy, on_event=self.events.append)
 
     def put(self, tokens: list[int], extra: str = "") -> tuple[int, list[int]]:
         """A request that computed `tokens` from scratch caches them and frees what it keeps."""
@@ -319,7 +320,7 @@ class CacheMachine(RuleBasedStateMachine):
     def setup(self, page_size: int, policy: EvictionPolicy) -> None:
         self.ps = page_size
         self.alloc = SlotAllocator(48, page_size)
-        self.cache = RadixCache(page_size, self.alloc.free, policy=policy, on_event=self.on_event)
+        self.cache = PrefixTree(page_size, self.alloc.free, eviction=policy, on_event=self.on_event)
         self.model: dict[tuple[str, tuple[int, ...]], list[int]] = {}
         self.reqs: list[_Req] = []
 

@@ -205,8 +205,8 @@ class HybridTiers(Tiers):
     def flush_device(self) -> None:
         tree, mem = self.tree, self.mem
         tree.evict(tree.evictable_size)
-        tree.evict_mamba(tree.mamba_evictable)
-        if (tree.evictable_size or tree.mamba_evictable or tree.mamba_protected
+        tree.evict_states(tree.state_evictable)
+        if (tree.evictable_size or tree.state_evictable or tree.state_protected
                 or mem.slots.available != mem.size or mem.states.available != mem.states.size):
             raise RuntimeError("device flush incomplete: a device page or state is still held")
         kv = self.engine.kv

@@ -95,7 +95,7 @@ class ElasticControl:
         m_live = 0
         if h is not None:
             m_live = h.states.size + h.states.shrink_pending - h.states.available
-            m_live -= h.mcache.mamba_evictable if h.mcache is not None else 0
+            m_live -= h.mcache.state_evictable if h.mcache is not None else 0
         # Only the requests that find a free row can be admitted now; the others wait for running
         # requests to finish and then reuse the slots and states those free. Counting them would
         # ask for memory no request can use (and, over the budget, squeeze the other pool for it).
@@ -157,8 +157,8 @@ class ElasticControl:
         while not mem.slots.shrink_done and mem.cache.evictable_size:
             mem.evicted += mem.cache.evict(mem.slots.shrink_pending)
         h = self.hybrid
-        while h is not None and h.mcache is not None and not h.states.shrink_done and h.mcache.mamba_evictable:
-            h.states_evicted += h.mcache.evict_mamba(h.states.shrink_pending)
+        while h is not None and h.mcache is not None and not h.states.shrink_done and h.mcache.state_evictable:
+            h.states_evicted += h.mcache.evict_states(h.states.shrink_pending)
 
     def _sendable(self) -> ResizePlan:
         """Per pool: the target when it grows or its shrink has drained, else what the worker has;

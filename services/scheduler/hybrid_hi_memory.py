@@ -187,7 +187,7 @@ class HybridHiMemory(HybridMemory):
         self.mcache.lock(m.node)
         if req.lock is not None:
             self.mcache.unlock(req.lock)
-        req.lock, req.slots, req.matched_state = m.node, list(m.slots), m.mamba_slot
+        req.lock, req.slots, req.matched_state = m.node, list(m.slots), m.state
         req.branch_len = max(req.branch_len, end)
         self.counters.load_tokens += len(new)
         self.counters.state_loads += 1
@@ -238,13 +238,13 @@ class HybridHiMemory(HybridMemory):
         """A state entered the device tree at the end of ``key``: back it up (write_through)."""
         assert self.mcache is not None
         m = self.mcache.match(key)
-        if m.length != len(key.tokens) or m.mamba_slot is None:
+        if m.length != len(key.tokens) or m.state is None:
             return
         if self._full():
             self.counters.refused += 1
             return
         self.mcache.lock(m.node)
-        self._backlog.append((m.node, key, m.mamba_slot))
+        self._backlog.append((m.node, key, m.state))
 
     def take_tier_ops(self) -> list[CacheOp]:
         """Loads and prefetches planned so far, then the backups and puts due now."""

@@ -22,7 +22,7 @@ that produced what it must see. Freed slots may still be written by a step alrea
 whoever gets the slot next writes it in a later step.
 
 A fork that cannot get a slot (pool full of working and locked states) is skipped, never an
-error. Invariant when idle: ``states.available + mamba_evictable + mamba_protected == size``.
+error. Invariant when idle: ``states.available + state_evictable + state_protected == size``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import logging
 from services.common.step import CacheOp, MambaCopy, MambaReset
 from services.scheduler.cache.base import CacheKey, NoCache
 from services.scheduler.cache.mamba_policy import StatePolicy, checkpoint_positions
-from services.scheduler.cache.mamba_radix import MambaRadixCache
+from services.scheduler.cache.tree import PrefixTree
 from services.scheduler.mamba_alloc import MambaSlotAllocator
 from services.scheduler.memory import KVMemory
 from services.scheduler.request import Fork, Req
@@ -67,9 +67,9 @@ class HybridMemory(KVMemory):
             raise ValueError("no Mamba state slot: a running request needs one (fewer than rows is fine: "
                              "admission waits for a free state)")
         self.states = MambaSlotAllocator(num_states)
-        self.mcache: MambaRadixCache | None = None
+        self.mcache: PrefixTree | None = None
         if cache == "radix":
-            self.mcache = MambaRadixCache(tree_page, self.slots.free, self.states.free_many, policy=state_policy)
+            self.mcache = PrefixTree(tree_page, self.slots.free, self.states.free_many, state_policy=state_policy)
             self.cache = self.mcache
         self.checkpoint_every = checkpoint_every
         self.ops: list[CacheOp] = []  # for the step being planned
@@ -90,7 +90,7 @@ class HybridMemory(KVMemory):
         m = self.mcache.match(self.match_key(req))
         n = len(m.slots)
         req.branch_len = m.kv_len
-        req.matched_state = m.mamba_slot
+        req.matched_state = m.state
         if n:
             self.mcache.lock(m.node)
             req.lock, req.slots, req.cache_len = m.node, m.slots, n
@@ -145,13 +145,13 @@ class HybridMemory(KVMemory):
     def _alloc_state(self) -> int | None:
         got = self.states.alloc()
         if got is None and self.mcache is not None:
-            self.states_evicted += self.mcache.evict_mamba(1)
+            self.states_evicted += self.mcache.evict_states(1)
             got = self.states.alloc()
         return got
 
     def available_states(self) -> int:
         """State slots a new request could get: free now plus cached and unlocked."""
-        return self.states.available + (self.mcache.mamba_evictable if self.mcache is not None else 0)
+        return self.states.available + (self.mcache.state_evictable if self.mcache is not None else 0)
 
     # -- planning -------------------------------------------------------------------------------
     def planned(self, req: Req, end: int) -> Fork | None:
@@ -196,9 +196,9 @@ class HybridMemory(KVMemory):
             return
         key = CacheKey(req.seq[:pos], req.cache_salt)
         res = self.mcache.insert_checkpoint(key, req.slots[:pos], fork.slot)
-        self.forks_inserted += res.mamba_taken
+        self.forks_inserted += res.state_taken
         self._lock_inserted(req, key, res.cached_len)
-        if res.mamba_taken:
+        if res.state_taken:
             self.checkpointed(key)
 
     def cache_unfinished(self, req: Req) -> None:
@@ -220,8 +220,8 @@ class HybridMemory(KVMemory):
             assert self.mcache is not None
             key = CacheKey(req.seq[:aligned], req.cache_salt)
             res = self.mcache.insert_checkpoint(key, req.slots[:aligned], own if donate else None)
-            self.donated += res.mamba_taken
-            if res.mamba_taken:
+            self.donated += res.state_taken
+            if res.state_taken:
                 self.checkpointed(key)
             to_free = req.slots[m : res.cached_len] + req.slots[aligned:]
         else:
@@ -245,7 +245,7 @@ class HybridMemory(KVMemory):
         cached = 0
         if self.mcache is not None:
             self.mcache.sanity_check()
-            cached = self.mcache.mamba_evictable + self.mcache.mamba_protected
+            cached = self.mcache.state_evictable + self.mcache.state_protected
         size = self.states.size + self.states.shrink_pending
         if self.states.available + cached != size:
             raise AssertionError(

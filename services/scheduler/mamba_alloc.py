@@ -5,7 +5,7 @@ Every slot is owned by exactly one of: the free list here, a running request (it
 state, or a fork it is about to donate), or the Mamba radix cache (a cached state). Invariant,
 checked in tests and whenever the server is idle:
 
-    available + cache.mamba_evictable + cache.mamba_protected + held by requests == size + shrink_pending
+    available + cache.state_evictable + cache.state_protected + held by requests == size + shrink_pending
 
 (`shrink_pending` is 0 unless a lazy shrink waits for held slots at or above `size`.)
 
@@ -39,7 +39,7 @@ class MambaSlotAllocator:
 
     Contract:
     - `alloc()` returns a free slot or None when none is free (never raises on exhaustion: the
-      caller evicts cached states with `MambaRadixCache.evict_mamba` or skips a checkpoint).
+      caller evicts cached states with `PrefixTree.evict_states` or skips a checkpoint).
     - `free(slot)` / `free_many(slots)` raise DoubleFreeError, changing nothing, when a slot is
       free already or was never handed out. `free_many` is the `free_mamba` callback the cache
       takes.

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from services.scheduler.allocator import RowAllocator, SlotAllocator
 from services.scheduler.cache.base import CacheKey, NoCache, PrefixCache
-from services.scheduler.cache.radix import RadixCache
+from services.scheduler.cache.tree import PrefixTree
 from services.scheduler.request import Req
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ class KVMemory:
         self.rows = RowAllocator(num_rows)
         self.evicted = 0  # slots evicted from the cache so far
         self.cache: PrefixCache = (
-            RadixCache(page_size, self.slots.free, policy=policy)  # type: ignore[arg-type]
+            PrefixTree(page_size, self.slots.free, eviction=policy)  # type: ignore[arg-type]
             if cache == "radix"
             else NoCache(page_size, self.slots.free)
         )

@@ -90,7 +90,7 @@ class SchedulerMetrics:
 
     def _observe_mamba(self, mem: HybridMemory) -> None:
         free = mem.states.available
-        cached = (mem.mcache.mamba_evictable + mem.mcache.mamba_protected) if mem.mcache is not None else 0
+        cached = (mem.mcache.state_evictable + mem.mcache.state_protected) if mem.mcache is not None else 0
         self.mamba_slots.labels("free").set(free)
         self.mamba_slots.labels("cache").set(cached)
         self.mamba_slots.labels("requests").set(mem.states.size - free - cached)

@@ -8,7 +8,7 @@ state can be cached only where a prefill chunk ends. `checkpoint_positions` pick
   the request's match ended) so requests sharing a prefix checkpoint at the same places and their
   states dedupe in the tree;
 - branch points learned from insertions (Marconi): where this prompt leaves the tree
-  (`MambaMatch.kv_len`), or any other place the caller knows several sequences diverge. A state
+  (`TreeMatch.kv_len`), or any other place the caller knows several sequences diverge. A state
   there is shared by every branch, which is where reuse actually happens;
 - the end of the prompt (whole pages only), when asked for: a continuation of this prompt
   matches there. The scheduler asks only when pages are longer than one token: with one-token

@@ -1,0 +1,458 @@
+"""The prefix tree: token prefixes -> KV slots, page-aligned, with ref-count locks, and, for models
+with recurrent layers, an optional state per node. One tree for every model kind.
+
+    roots[extra] ── [1 2 3] s1 ── [4 5] † ─┬─ [6 7] s2          edge keys are array('i'), values
+                 └─ [10 11 12] s3          └─ [60 70] s4        lists of KV slots; sN: state slot
+
+Each extra key (cache_salt, adapter id) has its own root, so different extras never share nodes; a
+root is dropped when its last child goes, so per-user salts do not accumulate.
+
+**Without states** (dense models; ``free_states`` is None) every node end is a valid match end: a
+match follows the key as far as whole pages agree, splitting the edge where it stops, so the
+returned handle ends exactly at the matched length.
+
+**With states** (hybrid models) a cached prefix is usable only together with the recurrent state
+right after its last token, so a node may carry the slot of that state. A node without one is a
+*tombstone* (its state was evicted, or a split made it): it keeps its KV for its children, but a
+match never ends there; it falls back to the deepest node on the path that has a state. Matching
+[1 2 3 4 5] above serves 3 tokens and s1; [1 .. 5 60 70] serves 7 and s4. A match never changes the
+tree's shape. Leaves are never tombstones: a tombstone left without children is removed. A state
+slot passed to ``insert_checkpoint`` always becomes the tree's: kept as the node's state, or freed
+at once (surplus: the node has one; or the key does not end on a page boundary). The tree hands
+out slot ids and never copies bytes: the scheduler orders copy-on-write and forks (see
+``memory/states.py``).
+
+Recency and frequency. A match refreshes the KV recency (one tick for the whole served path, so no
+node is older than a descendant touched with it) and counts a hit on each served node; an insert
+refreshes the path. A state's recency is refreshed only where it is *used*: where a match ends, and
+where an insert attaches or re-offers one, so a chain of turn-by-turn checkpoints lets its stale
+inner states age out.
+
+Eviction is a policy of this one tree: KV leaves go least recently used first ("lru", deeper first
+on ties) or least frequently hit first ("lfu", LRU on ties); states go by ``state_policy`` ("lru"
+or "marconi", see ``mamba_policy``). Hot path: a child is found by one dict lookup on its first page
+and an edge is compared with array slice equality (a C memcmp; see ``tree_util``).
+
+A node keeps its identity across splits as the *deeper* half: a handle always names the node that
+ends where its match ended. Not thread-safe: the scheduler's loop is the only caller.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from array import array
+from collections.abc import Callable, Sequence
+from typing import Literal, NamedTuple
+
+from services.scheduler.cache.base import (
+    CacheEvent,
+    CacheHandle,
+    CacheKey,
+    EventSink,
+    FreeSlots,
+    MatchResult,
+    PrefixCache,
+)
+from services.scheduler.cache.mamba_policy import DEFAULT_MARCONI_ALPHA, StatePolicy, state_eviction_order
+from services.scheduler.cache.tree_util import as_array, child_key, common_prefix, lock_path, unlock_path
+
+EvictionPolicy = Literal["lru", "lfu"]
+FreeStates = Callable[[list[int]], None]
+"""Returns state slots to their allocator; the tree calls it for states it evicts or declines."""
+
+
+class TreeNode(CacheHandle):
+    __slots__ = ("children", "depth", "evicted", "extra", "hits", "key", "last_access", "lock_ref", "own_lock",
+                 "parent", "state", "state_access", "value")
+
+    def __init__(self, key: array[int], value: list[int], parent: TreeNode | None, extra: str) -> None:
+        self.children: dict[int | bytes, TreeNode] = {}
+        self.parent = parent
+        self.key = key
+        self.value = value
+        self.extra = extra
+        # Tokens from the root through the end of this node: what a hit on its state saves.
+        self.depth: int = (parent.depth if parent is not None else 0) + len(key)
+        self.state: int | None = None
+        # Locks held at this node or below it (they protect the KV path); locks held at this node.
+        self.lock_ref = 0
+        self.own_lock = 0
+        self.last_access = 0
+        self.state_access = 0
+        self.hits = 0
+        self.evicted = False
+
+
+class TreeMatch(NamedTuple):
+    """`slots`: owned list of the KV slots of the served prefix. `node`: the handle to lock (a root
+    when nothing is served). `state`: the state slot after `slots`, to copy and never write (None
+    without states or when nothing is served). `kv_len`: how far the key follows the tree by KV
+    alone (through tombstones, into an edge), whole pages, >= len(slots): where it branches off."""
+
+    slots: list[int]
+    node: CacheHandle
+    state: int | None
+    kv_len: int
+
+    @property
+    def length(self) -> int:
+        return len(self.slots)
+
+
+class InsertResult(NamedTuple):
+    """`cached_len`: as PrefixCache.insert. `state_taken`: the state slot passed in is now a node's;
+    False means there was none, or the tree already freed it (surplus, or not page-aligned)."""
+
+    cached_len: int
+    state_taken: bool
+
+
+class PrefixTree(PrefixCache):
+    """See PrefixCache for the contract and the module docstring for states. Beyond PrefixCache:
+    with states, `insert` keeps new KV only under a node that gets a state (a new suffix is cached
+    only with a state slot for a key of whole pages, otherwise its slots are freed at once, so the
+    caller's share is still `slots[m:cached]`); `lock` protects the path and the handle's state and
+    raises ValueError on a node without one; `evict_states(n)` frees n unlocked states (an inner
+    node becomes a tombstone, a leaf goes with its KV)."""
+
+    def __init__(
+        self,
+        page_size: int,
+        free_slots: FreeSlots,
+        free_states: FreeStates | None = None,
+        *,
+        eviction: EvictionPolicy = "lru",
+        state_policy: StatePolicy = "lru",
+        marconi_alpha: float = DEFAULT_MARCONI_ALPHA,
+        on_event: EventSink | None = None,
+    ) -> None:
+        super().__init__(page_size, free_slots)
+        if eviction not in ("lru", "lfu"):
+            raise ValueError(f"unknown eviction policy {eviction!r}")
+        if state_policy not in ("lru", "marconi"):
+            raise ValueError(f"unknown state eviction policy {state_policy!r}")
+        if not 0.0 <= marconi_alpha <= 1.0:
+            raise ValueError(f"marconi_alpha must be in [0, 1], got {marconi_alpha}")
+        self.eviction: EvictionPolicy = eviction
+        self.state_policy: StatePolicy = state_policy
+        self.marconi_alpha = marconi_alpha
+        self.has_states = free_states is not None
+        self._free_states = free_states
+        self._on_event = on_event
+        self._roots: dict[str, TreeNode] = {}
+        self._leaves: set[TreeNode] = set()  # childless non-root nodes: KV eviction candidates
+        self._stateful: set[TreeNode] = set()  # nodes with a state: state eviction candidates
+        self._evictable = self._protected = 0
+        self._state_evictable = self._state_protected = 0
+        self._tick = 0  # logical clock: deterministic, never ties between operations
+        self._detached_root = TreeNode(array("i"), [], None, "")  # the handle of a miss on a rootless extra
+
+    # -- queries --------------------------------------------------------------------------------
+
+    def match(self, key: CacheKey) -> TreeMatch:
+        """The longest usable prefix of `key` (whole pages; with states, up to the deepest state)."""
+        root = self._roots.get(key.extra)
+        ps = self.page_size
+        if root is None or len(key.tokens) < ps:
+            return TreeMatch([], self._detached_root if root is None else root, None, 0)
+        # A miss on the first page is the common case: answer it before converting a long key.
+        if child_key(as_array(key.tokens[:ps]), 0, ps) not in root.children:
+            return TreeMatch([], root, None, 0)
+        tokens = as_array(key.tokens)
+        node, pos, partial, m = self._descend(root, tokens, self.aligned_len(len(tokens)))
+        if partial is not None and not self.has_states:
+            node, pos = self._split(partial, m), pos + m  # a handle ends where its match ends
+        elif partial is not None:
+            pos += m  # KV reach into the edge; no state sits there
+        served = node
+        while self.has_states and served.parent is not None and served.state is None:
+            served = served.parent
+        self._tick += 1
+        slots: list[int] = []
+        cur = served
+        while cur.parent is not None:
+            cur.last_access = self._tick
+            cur.hits += 1
+            slots[:0] = cur.value
+            cur = cur.parent
+        if served.parent is None:
+            return TreeMatch([], served, None, pos)
+        served.state_access = self._tick
+        return TreeMatch(slots, served, served.state, pos)
+
+    def match_prefix(self, key: CacheKey) -> MatchResult:
+        m = self.match(key)
+        return MatchResult(m.slots, m.node)
+
+    def kv_path(self, key: CacheKey) -> list[int]:
+        """The KV slots the tree holds for `key`'s leading whole pages, through tombstones and into
+        an edge (`TreeMatch.kv_len` of them); changes nothing, not even recency."""
+        root = self._roots.get(key.extra)
+        if root is None:
+            return []
+        tokens = as_array(key.tokens)
+        node, _, partial, m = self._descend(root, tokens, self.aligned_len(len(tokens)))
+        out: list[int] = list(partial.value[:m]) if partial is not None else []
+        while node.parent is not None:
+            out[:0] = node.value
+            node = node.parent
+        return out
+
+    @property
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    @property
+    def protected_size(self) -> int:
+        return self._protected
+
+    @property
+    def state_evictable(self) -> int:
+        """States held by the tree whose node is not locked."""
+        return self._state_evictable
+
+    @property
+    def state_protected(self) -> int:
+        """States held by the tree whose node is locked (a request is copying from it)."""
+        return self._state_protected
+
+    # -- mutations ------------------------------------------------------------------------------
+
+    def insert(self, key: CacheKey, slots: Sequence[int]) -> int:
+        return self.insert_checkpoint(key, slots, None).cached_len
+
+    def insert_checkpoint(self, key: CacheKey, slots: Sequence[int], state: int | None) -> InsertResult:
+        """Insert the KV of `key` (and, with states, the state after its last token, which the
+        caller owned: ownership passes to the tree whatever the outcome, see InsertResult)."""
+        tokens = as_array(key.tokens)
+        if len(slots) != len(tokens):
+            raise ValueError(f"insert: {len(slots)} slots for {len(tokens)} tokens")
+        if state is not None and not self.has_states:
+            raise ValueError("insert: a state slot for a tree without states")
+        n = self.aligned_len(len(tokens))
+        # A state describes the position after the key's last token: only a node end can hold it.
+        attach = not self.has_states or (state is not None and n == len(tokens) and n > 0)
+        if state is not None and not attach:
+            self._release([], [state])
+        if n == 0:
+            return InsertResult(0, False)
+        root = self._roots.get(key.extra)
+        if root is None:
+            if not attach:
+                self._free_slots(_owned(slots[:n]))
+                return InsertResult(0, False)
+            root = self._roots[key.extra] = TreeNode(array("i"), [], None, key.extra)
+        node, pos, partial, m = self._descend(root, tokens, n)
+        self._tick += 1
+        end = pos + m
+        if not attach:
+            if end < n:
+                self._free_slots(_owned(slots[end:n]))  # would be a leaf without a state
+            self._touch_path(node)
+            return InsertResult(end, False)
+        if partial is not None:
+            node = self._split(partial, m)
+        if end < n:
+            leaf = TreeNode(tokens[end:n], _owned(slots[end:n]), node, key.extra)
+            node.children[child_key(leaf.key, 0, self.page_size)] = leaf
+            self._leaves.discard(node)
+            self._leaves.add(leaf)
+            self._evictable += n - end
+            node = leaf
+            if self._on_event is not None:
+                self._on_event(CacheEvent("insert", key.extra, end, tokens[:n]))
+        self._touch_path(node)
+        if state is None:
+            return InsertResult(end, False)
+        node.state_access = self._tick
+        if node.state is not None:
+            self._release([], [state])  # the tree already has this state: the fork is surplus
+            return InsertResult(end, False)
+        node.state = state  # a new leaf, a split point, or a tombstone revived
+        self._stateful.add(node)
+        if node.own_lock:
+            self._state_protected += 1
+        else:
+            self._state_evictable += 1
+        return InsertResult(end, True)
+
+    def lock(self, node: CacheHandle) -> None:
+        cur = self._node(node)
+        if cur.parent is None:
+            return
+        if self.has_states and cur.state is None:
+            raise ValueError("lock of a node without a state (lock right after match)")
+        cur.own_lock += 1
+        if self.has_states and cur.own_lock == 1:
+            self._state_evictable -= 1
+            self._state_protected += 1
+        newly = lock_path(cur)
+        self._evictable -= newly
+        self._protected += newly
+
+    def unlock(self, node: CacheHandle) -> None:
+        cur = self._node(node)
+        if cur.parent is None:
+            return
+        if cur.own_lock == 0:
+            raise ValueError("unlock of a handle that is not locked")
+        cur.own_lock -= 1
+        if self.has_states and cur.own_lock == 0:
+            self._state_evictable += 1
+            self._state_protected -= 1
+        released = unlock_path(cur)
+        self._evictable += released
+        self._protected -= released
+
+    def evict(self, n: int) -> int:
+        """Free at least n KV slots when that many are evictable (unlocked leaves in `eviction`
+        order, each with its state, then tombstones left childless); returns the KV slots freed."""
+        if n <= 0:
+            return 0
+        order = itertools.count()  # tie-breaker: nodes themselves are not comparable
+        heap = [(self._priority(lf), next(order), lf) for lf in self._leaves if lf.lock_ref == 0]
+        heapq.heapify(heap)
+        kv: list[int] = []
+        states: list[int] = []
+        while len(kv) < n and heap:
+            up = self._remove_leaf(heapq.heappop(heap)[-1], kv, states)
+            if up is not None and up.lock_ref == 0:
+                heapq.heappush(heap, (self._priority(up), next(order), up))
+        self._release(kv, states)
+        return len(kv)
+
+    def evict_states(self, n: int) -> int:
+        """Free up to n unlocked states in `state_policy` order; returns the number freed. An inner
+        node keeps its KV as a tombstone; a leaf goes entirely (and tombstones it leaves childless)."""
+        if n <= 0 or not self.has_states:
+            return 0
+        cands = [nd for nd in self._stateful if nd.own_lock == 0]
+        ranked = state_eviction_order(
+            [c.state_access for c in cands], [c.depth for c in cands], self.state_policy, self.marconi_alpha
+        )
+        kv: list[int] = []
+        states: list[int] = []
+        for i in ranked[:n]:
+            node = cands[i]
+            if node.children:
+                assert node.state is not None
+                states.append(node.state)
+                node.state = None
+                self._stateful.discard(node)
+                self._state_evictable -= 1
+            else:
+                self._remove_leaf(node, kv, states)
+        self._release(kv, states)
+        return len(states)
+
+    def sanity_check(self) -> None:
+        from services.scheduler.cache.tree_check import check_tree
+
+        check_tree(self)
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _node(self, handle: CacheHandle) -> TreeNode:
+        if not isinstance(handle, TreeNode):
+            raise TypeError(f"not a prefix tree handle: {type(handle).__name__}")
+        if handle.evicted:
+            raise ValueError("stale handle: its node was evicted (lock right after match)")
+        return handle
+
+    def _priority(self, node: TreeNode) -> tuple[int, ...]:
+        if self.eviction == "lfu":
+            return (node.hits, node.last_access, -node.depth)
+        return (node.last_access, -node.depth)
+
+    def _descend(self, root: TreeNode, tokens: array[int], n: int) -> tuple[TreeNode, int, TreeNode | None, int]:
+        """Follow tokens[:n] (n page-aligned) without changing anything. Returns the deepest node
+        reached through whole edges, its end position, and the child whose edge the key follows
+        for m more tokens (0 < m < len(edge), whole pages) before stopping, or (None, 0)."""
+        node, pos, ps = root, 0, self.page_size
+        while pos < n:
+            child = node.children.get(child_key(tokens, pos, ps))
+            if child is None:
+                break
+            edge_len = len(child.key)
+            m = common_prefix(tokens, pos, child.key, min(edge_len, n - pos))
+            m -= m % ps  # the dict lookup matched the first page, so m >= page_size
+            if m < edge_len:
+                return node, pos, child, m
+            node, pos = child, pos + edge_len
+        return node, pos, None, 0
+
+    def _split(self, node: TreeNode, m: int) -> TreeNode:
+        """Cut node's edge after m tokens; the new upper node (no state, no locks of its own) is
+        returned and `node` keeps its identity, its state and the deeper part of the edge."""
+        parent = node.parent
+        assert parent is not None, "roots have no edge to split"
+        upper = TreeNode(node.key[:m], node.value[:m], parent, node.extra)
+        upper.lock_ref, upper.last_access, upper.hits = node.lock_ref, node.last_access, node.hits
+        parent.children[child_key(upper.key, 0, self.page_size)] = upper
+        node.key, node.value, node.parent = node.key[m:], node.value[m:], upper
+        upper.children[child_key(node.key, 0, self.page_size)] = node
+        return upper
+
+    def _touch_path(self, node: TreeNode) -> None:
+        while node.parent is not None:
+            node.last_access = self._tick
+            node = node.parent
+
+    def _remove_leaf(self, leaf: TreeNode, kv: list[int], states: list[int]) -> TreeNode | None:
+        """Remove an unlocked leaf, then every tombstone that this leaves childless, collecting
+        their KV and states. Returns the ancestor that became an evictable leaf, if any."""
+        node = leaf
+        while True:
+            parent = node.parent
+            assert parent is not None and not node.children and node.lock_ref == 0
+            if self._on_event is not None:
+                path = _path_tokens(node)
+                self._on_event(CacheEvent("evict", node.extra, len(path) - len(node.key), path))
+            kv.extend(node.value)
+            if node.state is not None:
+                states.append(node.state)
+                self._stateful.discard(node)
+                self._state_evictable -= 1
+            del parent.children[child_key(node.key, 0, self.page_size)]
+            self._leaves.discard(node)
+            self._evictable -= len(node.key)
+            # Drop references so a stale handle pins no memory.
+            node.evicted, node.parent, node.key, node.value, node.state = True, None, array("i"), [], None
+            if parent.parent is None:
+                if not parent.children:
+                    del self._roots[parent.extra]
+                return None
+            if parent.children:
+                return None
+            self._leaves.add(parent)
+            if not self.has_states or parent.state is not None:
+                return parent
+            # A childless tombstone would be a leaf without a state. It cannot be locked: a lock
+            # sits at a node with a state, and every lock below it left with its child.
+            self._leaves.discard(parent)
+            node = parent
+
+    def _release(self, kv: list[int], states: list[int]) -> None:
+        if kv:
+            self._free_slots(kv)
+        if states:
+            assert self._free_states is not None
+            self._free_states(states)
+
+
+def _path_tokens(node: TreeNode) -> array[int]:
+    keys: list[array[int]] = []
+    cur: TreeNode | None = node
+    while cur is not None:
+        keys.append(cur.key)
+        cur = cur.parent
+    out = array("i")
+    for k in reversed(keys):
+        out.extend(k)
+    return out
+
+
+def _owned(part: Sequence[int]) -> list[int]:
+    # A slice of a list is already a fresh list; anything else is copied so the tree owns it.
+    return part if isinstance(part, list) else list(part)
