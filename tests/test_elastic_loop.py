@@ -51,7 +51,7 @@ def test_hybrid_pools_grow_under_load_shrink_when_idle_and_outputs_equal_transfo
     assert seen["idle_kv"] < seen["peak_kv"] and seen["idle_bytes"] < seen["busy_bytes"], seen
     assert eng.kv.num_slots == seen["idle_kv"]  # the worker applied what the loop sent
     assert loop.batcher is not None
-    loop.batcher.mem.check_idle_invariant()
+    loop.batcher.mem.check_idle()
 
 
 def test_waiting_requests_without_a_free_row_do_not_size_the_pools(tiny_qwen3_next: Path) -> None:

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from services.scheduler.hybrid_hi_memory import HybridHiMemory
 from services.scheduler.l3_lookup import leading_pages
 from services.scheduler.loop import LoopConfig, SchedulerLoop
+from services.scheduler.memory import Memory
+from services.scheduler.memory.index_tier import IndexHostTier
 from services.worker.engine import Engine, EngineConfig
 from services.worker.l3_port import KVStorePort
 from tests import sched_harness as h
@@ -35,9 +36,14 @@ def _engine(model: Path, port: KVStorePort | None = None) -> Engine:
     return Engine(model, cfg, port)
 
 
-def _mem(loop: SchedulerLoop) -> HybridHiMemory:
-    assert loop.batcher is not None and isinstance(loop.batcher.mem, HybridHiMemory)
+def _mem(loop: SchedulerLoop) -> Memory:
+    assert loop.batcher is not None and isinstance(loop.batcher.mem.host, IndexHostTier)
     return loop.batcher.mem
+
+
+def _tier(mem: Memory) -> IndexHostTier:
+    assert isinstance(mem.host, IndexHostTier)
+    return mem.host
 
 
 async def settle(loop: SchedulerLoop, timeout_s: float = 20.0) -> None:
@@ -47,22 +53,22 @@ async def settle(loop: SchedulerLoop, timeout_s: float = 20.0) -> None:
     while True:
         b = loop.batcher
         assert b is not None
-        if b.idle and not mem.memory_pending:
+        if b.idle and not mem.pending:
             return
         if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"not settled: {mem.inflight} jobs in flight")
+            raise AssertionError(f"not settled: {_tier(mem).inflight} jobs in flight")
         await asyncio.sleep(0.01)
 
 
-def flush_device(mem: HybridHiMemory, eng: Engine) -> None:
+def flush_device(mem: Memory, eng: Engine) -> None:
     """Drop every cached prefix and state from the device tree and scribble over the device KV
     and Mamba pools, so a prefix can only come back through a load."""
-    tree = mem.mcache
-    assert tree is not None
+    tree = _tier(mem).tree
     tree.evict(tree.evictable_size)
     tree.evict_states(tree.state_evictable)
     assert tree.evictable_size == tree.state_evictable == tree.state_protected == 0
-    assert mem.slots.available == mem.size and mem.states.available == mem.states.size
+    assert mem.states is not None
+    assert mem.slots.available == mem.size and mem.states.pool.available == mem.states.pool.size
     for t in (*eng.kv.k, *eng.kv.v):
         t.normal_()
     assert eng.mamba is not None
@@ -70,12 +76,13 @@ def flush_device(mem: HybridHiMemory, eng: Engine) -> None:
         t.normal_()
 
 
-def flush_host(mem: HybridHiMemory, eng: Engine) -> None:
+def flush_host(mem: Memory, eng: Engine) -> None:
     """``flush_device``, then drop every host page and state and scribble over the host pools."""
     flush_device(mem, eng)
-    mem.kv_host.evict(len(mem.kv_host))
-    mem.state_host.evict(len(mem.state_host))
-    assert len(mem.kv_host) == len(mem.state_host) == 0
+    tier = _tier(mem)
+    tier.kv_host.evict(len(tier.kv_host))
+    tier.state_host.evict(len(tier.state_host))
+    assert len(tier.kv_host) == len(tier.state_host) == 0
     assert eng.host is not None and eng.host.states is not None
     eng.host.pool.pages.normal_()
     eng.host.states.states.random_(0, 256)
@@ -87,7 +94,7 @@ def _turns(vocab: int, n: int = 3) -> list[list[int]]:
 
 
 def _conversation(
-    eng: Engine, flush: Callable[[HybridHiMemory, Engine], object], l3: tuple[KVStorePort, _Shards] | None = None
+    eng: Engine, flush: Callable[[Memory, Engine], object], l3: tuple[KVStorePort, _Shards] | None = None
 ) -> Callable[[SchedulerLoop], Awaitable[Turns]]:
     async def turns(loop: SchedulerLoop, store: object) -> Turns:
         hist: list[int] = []
@@ -104,7 +111,7 @@ def _conversation(
             hist = hist + o.ids
             await settle(loop)
             mem = _mem(loop)
-            mem.check_idle_invariant()
+            mem.check_idle()
             flush(mem, eng)
         return res
 
@@ -126,7 +133,7 @@ def _device_reference(model: Path) -> Turns:
     eng = _engine(model)
     res, loop = h.serve(eng, LoopConfig(), _conversation(eng, lambda m, e: None))
     mem = _mem(loop)
-    assert mem.counters.state_loads == 0 and mem.counters.state_backups > 0
+    assert _tier(mem).counters.state_loads == 0 and _tier(mem).counters.state_backups > 0
     return res
 
 
@@ -158,9 +165,9 @@ def test_prefix_from_host_equals_transformers(tiny_qwen3_next: Path, device_turn
     _check(tiny_qwen3_next, res, device_turns)
     mem = _mem(loop)
     # Each later turn loaded its whole reused prefix and one state from the host.
-    assert mem.counters.state_loads == len(res) - 1
-    assert mem.counters.load_tokens == sum(o.cached_tokens for _, o in res)
-    assert eng.host is not None and eng.host.pages_loaded * PAGE == mem.counters.load_tokens
+    assert _tier(mem).counters.state_loads == len(res) - 1
+    assert _tier(mem).counters.load_tokens == sum(o.cached_tokens for _, o in res)
+    assert eng.host is not None and eng.host.pages_loaded * PAGE == _tier(mem).counters.load_tokens
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -172,7 +179,7 @@ def test_prefix_from_l3_equals_transformers(tiny_qwen3_next: Path, device_turns:
     eng = _engine(tiny_qwen3_next, port)
     res, loop = h.serve(eng, LoopConfig(overlap=overlap), _conversation(eng, flush_host, (port, shards)))
     _check(tiny_qwen3_next, res, device_turns)
-    c = _mem(loop).counters
+    c = _tier(_mem(loop)).counters
     assert c.put_pages > 0 and c.state_puts > 0 and c.failed_jobs == 0
     assert c.states_prefetched == c.state_loads == len(res) - 1
     assert c.load_tokens == sum(o.cached_tokens for _, o in res)
@@ -213,8 +220,8 @@ def test_small_tiers_evict_refuse_and_stay_correct(tiny_qwen3_next: Path, overla
         for prompt, o in turns:
             assert o.ids == hf_greedy(tiny_qwen3_next, prompt, OUT, stop_at_eos=False)
     mem = _mem(loop)
-    assert mem.kv_host.evictions > 0 and mem.state_host.evictions > 0
+    assert _tier(mem).kv_host.evictions > 0 and _tier(mem).state_host.evictions > 0
     # With overlap a commit can bring checkpoints while a backup is still in flight: refused.
-    assert mem.counters.refused > 0 or not overlap
-    assert mem.inflight == 0
-    mem.check_idle_invariant()
+    assert _tier(mem).counters.refused > 0 or not overlap
+    assert _tier(mem).inflight == 0
+    mem.check_idle()

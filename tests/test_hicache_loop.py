@@ -16,9 +16,10 @@ from services.kvstore.config import KVStoreConfig
 from services.kvstore.server import build_server
 from services.kvstore.sharded import ShardedKVStore
 from services.scheduler.cache.hiradix_policy import StopPolicy
-from services.scheduler.hi_memory import HiConfig, HiMemory
 from services.scheduler.l3_lookup import leading_pages
 from services.scheduler.loop import LoopConfig, SchedulerLoop
+from services.scheduler.memory import HiConfig, Memory
+from services.scheduler.memory.tree_tier import TreeHostTier
 from services.worker.engine import Engine, EngineConfig
 from services.worker.l3_port import KVStorePort
 from tests import sched_harness as h
@@ -33,9 +34,14 @@ def _engine(model: Path, port: KVStorePort | None = None, host_bytes: int = 1 <<
     return Engine(model, cfg, port)
 
 
-def _mem(loop: SchedulerLoop) -> HiMemory:
-    assert loop.batcher is not None and isinstance(loop.batcher.mem, HiMemory)
+def _mem(loop: SchedulerLoop) -> Memory:
+    assert loop.batcher is not None and isinstance(loop.batcher.mem.host, TreeHostTier)
     return loop.batcher.mem
+
+
+def _tier(mem: Memory) -> TreeHostTier:
+    assert isinstance(mem.host, TreeHostTier)
+    return mem.host
 
 
 async def settle(loop: SchedulerLoop, timeout_s: float = 20.0) -> None:
@@ -45,28 +51,30 @@ async def settle(loop: SchedulerLoop, timeout_s: float = 20.0) -> None:
     while True:
         b = loop.batcher
         assert b is not None
-        if b.idle and mem.inflight == 0 and not mem.hi.queued_writes:
+        if b.idle and _tier(mem).inflight == 0 and not _tier(mem).hi.queued_writes:
             return
         if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"not settled: {mem.inflight} jobs in flight")
+            raise AssertionError(f"not settled: {_tier(mem).inflight} jobs in flight")
         await asyncio.sleep(0.01)
 
 
-def flush_device(mem: HiMemory, eng: Engine) -> None:
+def flush_device(mem: Memory, eng: Engine) -> None:
     """Drop every device copy (write_through: each is on the host already) and scribble over the
     whole device pool, so a prefix can only come back through a load."""
-    ev = mem.hi.evict_device(mem.hi.evictable_size)
-    assert ev.pending == 0 and mem.hi.evictable_size == 0
+    hi = _tier(mem).hi
+    ev = hi.evict_device(hi.evictable_size)
+    assert ev.pending == 0 and hi.evictable_size == 0
     assert mem.slots.available == mem.size  # idle: nothing else holds a slot
     for t in (*eng.kv.k, *eng.kv.v):
         t.normal_()
 
 
-def flush_host(mem: HiMemory, eng: Engine) -> None:
+def flush_host(mem: Memory, eng: Engine) -> None:
     """``flush_device``, then drop every host page and scribble over the host pool."""
     flush_device(mem, eng)
-    mem.hi.evict_host(mem.hi.host_evictable_size)
-    assert mem.host.available == mem.host.num_pages
+    tier = _tier(mem)
+    tier.hi.evict_host(tier.hi.host_evictable_size)
+    assert tier.pages.available == tier.pages.num_pages
     assert eng.host is not None
     eng.host.pool.pages.normal_()
 
@@ -78,7 +86,7 @@ def _turns(vocab: int, seed: int, n: int) -> list[list[int]]:
 
 
 def _conversation(
-    eng: Engine, flush: Callable[[HiMemory, Engine], object], turns: int = 3
+    eng: Engine, flush: Callable[[Memory, Engine], object], turns: int = 3
 ) -> Callable[[SchedulerLoop], Awaitable[list[tuple[list[int], h.Outcome]]]]:
     async def body(loop: SchedulerLoop) -> list[tuple[list[int], h.Outcome]]:
         hist: list[int] = []
@@ -90,7 +98,7 @@ def _conversation(
             hist = hist + o.ids
             await settle(loop)
             flush(_mem(loop), eng)
-            _mem(loop).hi.sanity_check()
+            _tier(_mem(loop)).hi.sanity_check()
         return res
 
     return body
@@ -112,8 +120,8 @@ def test_prefix_from_device_equals_transformers(tiny_qwen3: Path, overlap: bool)
     res, loop = h.serve(eng, LoopConfig(overlap=overlap), _conversation(eng, lambda m, e: None))
     _check(tiny_qwen3, res)
     mem = _mem(loop)
-    assert mem.counters.load_tokens == 0 and mem.counters.backup_pages > 0
-    mem.check_idle_invariant()
+    assert _tier(mem).counters.load_tokens == 0 and _tier(mem).counters.backup_pages > 0
+    mem.check_idle()
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -122,9 +130,9 @@ def test_prefix_from_host_equals_transformers(tiny_qwen3: Path, overlap: bool) -
     res, loop = h.serve(eng, LoopConfig(overlap=overlap), _conversation(eng, flush_device))
     _check(tiny_qwen3, res)
     mem = _mem(loop)
-    assert mem.counters.load_tokens == sum(o.cached_tokens for _, o in res)
-    assert eng.host is not None and eng.host.pages_loaded * PAGE == mem.counters.load_tokens
-    mem.check_idle_invariant()
+    assert _tier(mem).counters.load_tokens == sum(o.cached_tokens for _, o in res)
+    assert eng.host is not None and eng.host.pages_loaded * PAGE == _tier(mem).counters.load_tokens
+    mem.check_idle()
 
 
 class _Shards:
@@ -198,9 +206,9 @@ def test_prefix_from_l3_equals_transformers(tiny_qwen3: Path, overlap: bool) -> 
     res, loop = h.serve(eng, LoopConfig(overlap=overlap), _l3_turns(eng, port, shards))
     _check(tiny_qwen3, res)
     mem = _mem(loop)
-    assert mem.counters.put_pages > 0 and mem.counters.prefetched_pages > 0
-    assert mem.counters.load_tokens == sum(o.cached_tokens for _, o in res)
-    mem.check_idle_invariant()
+    assert _tier(mem).counters.put_pages > 0 and _tier(mem).counters.prefetched_pages > 0
+    assert _tier(mem).counters.load_tokens == sum(o.cached_tokens for _, o in res)
+    mem.check_idle()
 
 
 @pytest.mark.parametrize("policy", ["best_effort", "timeout"])
@@ -216,8 +224,8 @@ def test_prefetch_that_does_not_wait(tiny_qwen3: Path, policy: StopPolicy) -> No
         assert o.ids == hf_greedy(tiny_qwen3, prompt, OUT, stop_at_eos=False)
         assert o.cached_tokens == 0  # nothing local, and nobody waited for L3
     mem = _mem(loop)
-    assert mem.counters.prefetched_pages > 0  # the fetches still happened (and were acknowledged)
-    mem.check_idle_invariant()
+    assert _tier(mem).counters.prefetched_pages > 0  # the fetches still happened (and were acknowledged)
+    mem.check_idle()
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -238,5 +246,5 @@ def test_a_full_pool_waits_for_write_back_evictions(tiny_qwen3: Path, overlap: b
     for p, o in zip(prompts, outs, strict=True):
         assert o.ids == hf_greedy(tiny_qwen3, p, OUT, stop_at_eos=False)
     mem = _mem(loop)
-    assert mem.counters.backup_pages > 0  # evictions went through the host
-    mem.check_idle_invariant()
+    assert _tier(mem).counters.backup_pages > 0  # evictions went through the host
+    mem.check_idle()

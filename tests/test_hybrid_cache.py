@@ -12,16 +12,26 @@ from pathlib import Path
 import pytest
 
 from services.scheduler.cache.tree import PrefixTree, TreeNode
-from services.scheduler.hybrid_memory import HybridMemory
 from services.scheduler.loop import LoopConfig, SchedulerLoop
+from services.scheduler.memory import Memory
+from services.scheduler.memory.states import StateCounters
 from tests import sched_harness as h
 from tests.reference import hf_greedy
 
 OUT = 6
 
+def _sc(mem: Memory) -> StateCounters:
+    assert mem.states is not None
+    return mem.states.counters
 
-def _mem(loop: SchedulerLoop) -> HybridMemory:
-    assert loop.batcher is not None and isinstance(loop.batcher.mem, HybridMemory)
+
+def _tree(mem: Memory) -> PrefixTree:
+    assert isinstance(mem.tree, PrefixTree)
+    return mem.tree
+
+
+def _mem(loop: SchedulerLoop) -> Memory:
+    assert loop.batcher is not None and loop.batcher.mem.states is not None
     return loop.batcher.mem
 
 
@@ -74,8 +84,8 @@ def test_multi_turn_hybrid_reuses_prefixes_and_equals_transformers(
     first_turns = sorted(t[0][1].cached_tokens for t in convos)
     assert first_turns[-1] >= 16, first_turns  # later clients reuse (part of) the system prompt
     mem = _mem(loop)
-    assert mem.cow_copies >= 8 and mem.forks_inserted > 0 and mem.donated > 0
-    mem.check_idle_invariant()
+    assert _sc(mem).cow_copy >= 8 and _sc(mem).fork_inserted > 0 and _sc(mem).donated > 0
+    mem.check_idle()
 
 
 def test_tombstones_fall_back_to_the_last_state_and_an_exact_insert_revives(tiny_qwen3_next: Path) -> None:
@@ -91,12 +101,11 @@ def test_tombstones_fall_back_to_the_last_state_and_an_exact_insert_revives(tiny
 
     async def body(loop: SchedulerLoop) -> list[tuple[list[int], h.Outcome]]:
         mem = _mem(loop)
-        assert mem.mcache is not None
         done = []
         a = await h.one(loop, "a", h.Spec(p, OUT))  # states at 16, 32 (chunk grid), 45 (donated)
         done.append((p, a))
-        assert mem.mcache.evict_states(1) == 1  # the least recently used: 16
-        assert _tombstones(mem.mcache) == 1
+        assert _tree(mem).evict_states(1) == 1  # the least recently used: 16
+        assert _tombstones(_tree(mem)) == 1
         b_prompt = p + a.ids[:5] + tail  # through the tombstone to the donated state at 45
         b = await h.one(loop, "b", h.Spec(b_prompt, OUT))
         assert b.cached_tokens == 45
@@ -106,11 +115,11 @@ def test_tombstones_fall_back_to_the_last_state_and_an_exact_insert_revives(tiny
         assert b2.cached_tokens == 32
         done.append((b2_prompt, b2))
         c_prompt = p[:16] + tail  # leaves the tree right after tombstone 16: no state on the way
-        before = _tombstones(mem.mcache)
+        before = _tombstones(_tree(mem))
         c = await h.one(loop, "c", h.Spec(c_prompt, OUT))
         assert c.cached_tokens == 0
         done.append((c_prompt, c))
-        assert _tombstones(mem.mcache) == before - 1  # c checkpointed where it left the tree: 16
+        assert _tombstones(_tree(mem)) == before - 1  # c checkpointed where it left the tree: 16
         d_prompt = p[:16] + tail[::-1]
         d = await h.one(loop, "d", h.Spec(d_prompt, OUT))
         assert d.cached_tokens == 16
@@ -120,7 +129,7 @@ def test_tombstones_fall_back_to_the_last_state_and_an_exact_insert_revives(tiny
     done, loop = h.serve(eng, cfg, body)
     for prompt, o in done:
         assert o.ids == hf_greedy(tiny_qwen3_next, prompt, OUT, stop_at_eos=False)
-    _mem(loop).check_idle_invariant()
+    _mem(loop).check_idle()
 
 
 def test_tiny_state_pool_completes_every_request(tiny_qwen3_next: Path) -> None:
@@ -136,5 +145,5 @@ def test_tiny_state_pool_completes_every_request(tiny_qwen3_next: Path) -> None:
             assert o.finish == "length"
             assert o.ids == hf_greedy(tiny_qwen3_next, prompt, OUT, stop_at_eos=False)
     mem = _mem(loop)
-    assert mem.states_evicted > 0 and mem.forks_skipped + mem.forks_inserted > 0
-    mem.check_idle_invariant()
+    assert _sc(mem).evicted > 0 and _sc(mem).fork_skipped + _sc(mem).fork_inserted > 0
+    mem.check_idle()

@@ -19,11 +19,22 @@ import pytest
 from services.common.step import GREEDY, MambaCopy, MambaReset, ReleaseRow, StepRequest
 from services.common.validation import Generation
 from services.scheduler.batcher import Batcher, BatchLimits, Plan
-from services.scheduler.hybrid_memory import HybridMemory
+from services.scheduler.cache.tree import PrefixTree
+from services.scheduler.memory import Memory, MemoryConfig, device_memory
+from services.scheduler.memory.states import StateCounters
 from services.scheduler.request import Finish, Req
 
 VOCAB = 12
 EOS = 0
+
+def _sc(mem: Memory) -> StateCounters:
+    assert mem.states is not None
+    return mem.states.counters
+
+
+def _tree(mem: Memory) -> PrefixTree:
+    assert isinstance(mem.tree, PrefixTree)
+    return mem.tree
 
 
 class SymbolicWorker:
@@ -35,7 +46,7 @@ class SymbolicWorker:
         self.last: dict[int, int] = {}
         self.ops_seen = 0
 
-    def run(self, step: StepRequest, mem: HybridMemory) -> list[tuple[int, object]]:
+    def run(self, step: StepRequest, mem: Memory) -> list[tuple[int, object]]:
         for op in step.ops:
             self.ops_seen += 1
             if isinstance(op, MambaCopy):
@@ -48,7 +59,7 @@ class SymbolicWorker:
                 self.last.pop(op.row, None)
         out: list[tuple[int, object]] = []
         for ri in step.reqs:
-            assert ri.mamba_slot is not None and 0 <= ri.mamba_slot < mem.states.size
+            assert ri.mamba_slot is not None and 0 <= ri.mamba_slot < mem.states.pool.size
             row = self.rows.setdefault(ri.row, {})
             for i, s in enumerate(ri.prefix_slots):
                 row[i] = s
@@ -84,10 +95,10 @@ def _workload(rng: random.Random, n: int) -> list[Req]:
     return reqs
 
 
-def _drive(seed: int, overlap: bool, num_slots: int, num_states: int, rows: int, page: int) -> HybridMemory:
+def _drive(seed: int, overlap: bool, num_slots: int, num_states: int, rows: int, page: int) -> Memory:
     rng = random.Random(seed)
-    mem = HybridMemory(num_slots, rows, page, "radix", num_states,
-                       state_policy=rng.choice(["lru", "marconi"]), checkpoint_every=rng.choice([4, 8]))
+    cfg = MemoryConfig(state_policy=rng.choice(["lru", "marconi"]), checkpoint_every=rng.choice([4, 8]))
+    mem = device_memory(num_slots, rows, page, cfg, num_states=num_states)
     batcher = Batcher(mem, BatchLimits(max_prefill_tokens=rng.choice([3, 8, 64]), max_running=rows),
                       frozenset({EOS}), context_length=256)
     worker = SymbolicWorker(rng)
@@ -113,7 +124,7 @@ def _drive(seed: int, overlap: bool, num_slots: int, num_states: int, rows: int,
         done, sampled = inflight.popleft()
         batcher.commit(done, sampled)
     assert batcher.idle and not pending and not inflight
-    mem.check_idle_invariant()
+    mem.check_idle()
     return mem
 
 
@@ -126,11 +137,11 @@ def test_states_follow_their_tokens_under_random_load(seed: int) -> None:
 
 def test_random_load_exercises_every_path() -> None:
     """Across seeds, the workload really copies, forks, donates, evicts states and retracts."""
-    totals = {"cow_copies": 0, "forks_inserted": 0, "forks_skipped": 0, "donated": 0, "states_evicted": 0}
+    totals = {"cow_copy": 0, "fork_inserted": 0, "fork_skipped": 0, "donated": 0, "evicted": 0}
     for seed in range(8):
         mem = _drive(seed, seed % 2 == 0, num_slots=40, num_states=6, rows=4, page=1)
         for k in totals:
-            totals[k] += getattr(mem, k)
+            totals[k] += getattr(_sc(mem), k)
     assert all(totals.values()), totals
 
 
@@ -139,11 +150,11 @@ def test_one_state_per_row_never_deadlocks() -> None:
     skipped when none is free; every request still finishes."""
     for seed in range(6):
         mem = _drive(seed, overlap=True, num_slots=96, num_states=3, rows=3, page=1)
-        assert mem.forks_skipped > 0 or mem.states_evicted > 0
+        assert _sc(mem).fork_skipped > 0 or _sc(mem).evicted > 0
 
 
 def test_forks_run_first_in_the_next_step_and_cow_reads_them_later() -> None:
-    mem = HybridMemory(64, 2, 1, "radix", 6, checkpoint_every=4)
+    mem = device_memory(64, 2, 1, MemoryConfig(checkpoint_every=4), num_states=6)
     b = Batcher(mem, BatchLimits(max_prefill_tokens=64, max_running=2), frozenset({EOS}), 256)
     a = _req("a", [1, 2, 3, 4, 5, 6, 7, 8, 9], 2, ignore_eos=True)
     b.waiting.append(a)
@@ -165,7 +176,7 @@ def test_forks_run_first_in_the_next_step_and_cow_reads_them_later() -> None:
 
 
 def test_admission_waits_for_a_state_slot_instead_of_failing() -> None:
-    mem = HybridMemory(64, 2, 1, "radix", 2, checkpoint_every=0)
+    mem = device_memory(64, 2, 1, MemoryConfig(checkpoint_every=0), num_states=2)
     b = Batcher(mem, BatchLimits(max_prefill_tokens=64, max_running=2), frozenset({EOS}), 256)
     # x leaves its working state in the cache, donated at 6 (its last token has no KV). y locks
     # it and takes the free slot; then no slot is free or evictable and z must wait.
@@ -175,17 +186,17 @@ def test_admission_waits_for_a_state_slot_instead_of_failing() -> None:
         p = b.plan()
         assert p is not None
         b.commit(p, [(3, None)] * len(p.sampled))
-    assert mem.states.available == 1 and mem.mcache is not None and mem.mcache.state_evictable == 1
+    assert mem.states.pool.available == 1 and _tree(mem).state_evictable == 1
     y = _req("y", [5, 6, 7, 8, 3, 3, 9], 4, ignore_eos=True)
     z = _req("z", [9, 9, 9], 1, ignore_eos=True)
     b.waiting.extend([y, z])
     p = b.plan()
     assert p is not None and p.reqs == [y] and list(b.waiting) == [z]  # z waits, nothing raised
-    assert y.cache_len == 6 and mem.states_evicted == 0 and mem.mcache.state_protected == 1
+    assert y.cache_len == 6 and _sc(mem).evicted == 0 and _tree(mem).state_protected == 1
     b.commit(p, [(3, None)])
     while not b.idle:
         p = b.plan()
         assert p is not None
         b.commit(p, [(3, None)] * len(p.sampled))
     assert y.finished is Finish.LENGTH and z.finished is Finish.LENGTH
-    mem.check_idle_invariant()
+    mem.check_idle()

@@ -47,8 +47,8 @@ def test_greedy_equals_transformers(eng: h.Engine, reference: tuple, cache: str,
     else:
         assert second_wave_cached == 0
     assert loop.batcher is not None and loop.batcher.idle
-    loop.batcher.mem.check_idle_invariant()
-    loop.batcher.mem.cache.sanity_check()
+    loop.batcher.mem.check_idle()
+    loop.batcher.mem.tree.sanity_check()
 
 
 def test_forced_retraction_keeps_outputs_exact(tiny_qwen3: Path, reference: tuple) -> None:
@@ -61,7 +61,7 @@ def test_forced_retraction_keeps_outputs_exact(tiny_qwen3: Path, reference: tupl
     outs, loop = h.run(small, [h.Spec(p, 8) for p in prompts], LoopConfig(cache="radix", max_prefill_tokens=64))
     assert [o.ids for o in outs] == want
     assert loop.batcher is not None and loop.batcher.retractions > 0
-    loop.batcher.mem.check_idle_invariant()
+    loop.batcher.mem.check_idle()
 
 
 def test_pool_full_stress_every_request_completes(tiny_qwen3: Path) -> None:
@@ -78,8 +78,8 @@ def test_pool_full_stress_every_request_completes(tiny_qwen3: Path) -> None:
     assert [len(o.ids) for o in outs] == [s.max_new_tokens for s in specs]
     assert all(o.finish == "length" for o in outs)
     assert loop.batcher is not None
-    loop.batcher.mem.check_idle_invariant()
-    loop.batcher.mem.cache.sanity_check()
+    loop.batcher.mem.check_idle()
+    loop.batcher.mem.tree.sanity_check()
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -115,7 +115,7 @@ def test_overlap_on_equals_off_greedy_and_seeded(eng: h.Engine, reference: tuple
         outs, loop = h.run(eng, greedy + sampled, LoopConfig(overlap=overlap, max_prefill_tokens=16))
         runs[overlap] = [o.ids for o in outs]
         assert loop.batcher is not None
-        loop.batcher.mem.check_idle_invariant()
+        loop.batcher.mem.check_idle()
     assert runs[True] == runs[False]
     assert runs[True][: len(prompts)] == want
 
@@ -147,4 +147,4 @@ def test_hybrid_model_through_the_scheduler_equals_transformers(tiny_qwen3_next:
     outs, loop = h.run(eng, [h.Spec(p, 8) for p in prompts], LoopConfig(max_prefill_tokens=7), waves=2)
     assert [o.ids for o in outs] == want + want
     assert loop.batcher is not None and loop.batcher.retractions > 0
-    loop.batcher.mem.check_idle_invariant()
+    loop.batcher.mem.check_idle()

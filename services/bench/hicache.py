@@ -25,7 +25,7 @@ tier really served it (host: ``load_tokens`` grew by ``cached``; L3: ``prefetche
 ``cached`` / page and the worker wrote that many pages from the kvstore). Writes ``--out``
 (JSON) and prints a markdown table; progress goes to stderr. Exit status 1 when a check fails.
 
-A hybrid model (the worker's info says so; the loop then runs ``HybridHiMemory``) is measured the
+A hybrid model (the worker's info says so; the loop then composes a state track and the index host tier) is measured the
 same way, its Mamba state at the end of the prefix travelling with the pages (host: one
 ``state_loads``; L3: one ``states_prefetched`` and one state written by the worker). Its JSON
 goes to ``docs/bench/hicache-hybrid.json`` unless ``--out`` says otherwise.
@@ -53,9 +53,9 @@ from services.bench.hicache_rig import Sizes, kvstore, model_sizes, pools
 from services.bench.hicache_tiers import TIERS, Tier, Tiers, serving
 from services.bench.runner import greedy_req
 from services.kvstore.sharded import ShardedKVStore
-from services.scheduler.hi_memory import HiConfig
 from services.scheduler.l3_lookup import L3_PAGE_TOKENS, leading_pages
 from services.scheduler.loop import LoopConfig
+from services.scheduler.memory import HiConfig
 from services.scheduler.request import Finish, TokenEvent
 
 GOAL_LENGTH, GOAL_RATIO = 4096, 3.0  # issue #7: L3 at least 3x faster than recompute at 4k tokens
@@ -75,7 +75,7 @@ class Sample:
     token: int
     cached_tokens: int
     expected_cached: int
-    load_tokens: int  # HiMemory counters' growth during the request
+    load_tokens: int  # the host tier's counters' growth during the request
     prefetched_pages: int
     worker_l3_pages: int  # pages the worker wrote into its host pool from the kvstore
     token_ok: bool  # == the recomputed token
@@ -227,7 +227,7 @@ async def _run(args: argparse.Namespace, sizes: Sizes) -> list[Sample]:
                         _say(f"   {length} tokens #{rep}: " + ", ".join(
                             f"{s.tier} {s.ttft_s * 1e3:.0f} ms{'' if s.token_ok and s.tier_ok else ' FAILED'}"
                             for s in got))
-                tiers.check_idle_invariant()
+                tiers.check_idle()
                 return samples
         finally:
             await store.close()

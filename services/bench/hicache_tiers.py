@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
-from services.scheduler.hi_memory import HiMemory
-from services.scheduler.hybrid_hi_memory import HybridHiMemory
 from services.scheduler.loop import LoopConfig, SchedulerLoop
+from services.scheduler.memory.index_tier import IndexHostTier
+from services.scheduler.memory.tree_tier import TreeHostTier
 from services.scheduler.request import Event, Req
 from services.scheduler.worker_link import InProcessWorkerLink
 
@@ -84,7 +84,7 @@ class Tiers(ABC):
         """``flush_device``, then drop every host entry and scribble over the host pools."""
 
     @abstractmethod
-    def check_idle_invariant(self) -> None: ...
+    def check_idle(self) -> None: ...
 
     def cached(self, tier: Tier, length: int) -> int:
         """Whole pages of the prompt less its last token (that token is always computed)."""
@@ -130,26 +130,26 @@ class Tiers(ABC):
 class DenseTiers(Tiers):
     def __init__(self, loop: SchedulerLoop, task: asyncio.Task[None], engine: Engine) -> None:
         super().__init__(loop, task, engine)
-        assert loop.batcher is not None and isinstance(loop.batcher.mem, HiMemory), "a dense worker's HiMemory"
-        self.mem = loop.batcher.mem
+        assert loop.batcher is not None and isinstance(loop.batcher.mem.host, TreeHostTier), "a dense host tier"
+        self.mem, self.tier = loop.batcher.mem, loop.batcher.mem.host
 
     @property
     def page(self) -> int:
-        return self.mem.hi.page_size
+        return self.tier.hi.page_size
 
     def counts(self) -> Counts:
-        c = self.mem.counters
+        c = self.tier.counters
         return Counts(c.load_tokens, c.prefetched_pages, self.host.pages_got)
 
     @property
     def inflight(self) -> int:
-        return self.mem.inflight
+        return self.tier.inflight
 
     def quiet(self) -> bool:
-        return self.mem.inflight == 0 and not self.mem.hi.queued_writes
+        return self.tier.inflight == 0 and not self.tier.hi.queued_writes
 
     def flush_device(self) -> None:
-        hi = self.mem.hi
+        hi = self.tier.hi
         ev = hi.evict_device(hi.evictable_size)
         if ev.pending or hi.evictable_size or self.mem.slots.available != self.mem.size:
             raise RuntimeError("device flush incomplete: a device page is still held")
@@ -159,13 +159,13 @@ class DenseTiers(Tiers):
 
     def flush_host(self) -> None:
         self.flush_device()
-        self.mem.hi.evict_host(self.mem.hi.host_evictable_size)
-        if self.mem.host.available != self.mem.host.num_pages:
+        self.tier.hi.evict_host(self.tier.hi.host_evictable_size)
+        if self.tier.pages.available != self.tier.pages.num_pages:
             raise RuntimeError("host flush incomplete: a host page is still held")
         self.host.pool.pages.normal_()
 
-    def check_idle_invariant(self) -> None:
-        self.mem.check_idle_invariant()
+    def check_idle(self) -> None:
+        self.mem.check_idle()
 
 
 class HybridTiers(Tiers):
@@ -177,13 +177,14 @@ class HybridTiers(Tiers):
     def __init__(self, loop: SchedulerLoop, task: asyncio.Task[None], engine: Engine) -> None:
         super().__init__(loop, task, engine)
         b = loop.batcher
-        assert b is not None and isinstance(b.mem, HybridHiMemory), "a hybrid worker's HybridHiMemory"
-        assert b.mem.mcache is not None and engine.mamba is not None and self.host.states is not None
-        self.mem, self.tree, self.mamba, self.host_states = b.mem, b.mem.mcache, engine.mamba, self.host.states
+        assert b is not None and isinstance(b.mem.host, IndexHostTier), "a hybrid host tier"
+        assert b.mem.states is not None and engine.mamba is not None and self.host.states is not None
+        self.mem, self.tier, self.tree = b.mem, b.mem.host, b.mem.host.tree
+        self.mamba, self.host_states, self.pool = engine.mamba, self.host.states, b.mem.states.pool
 
     @property
     def page(self) -> int:
-        return self.mem.tree_page
+        return self.tier.tree_page
 
     def expect(self, tier: Tier, cached: int) -> Counts:
         kv = super().expect(tier, cached)
@@ -191,23 +192,23 @@ class HybridTiers(Tiers):
         return kv._replace(state_loads=int(tier in ("host", "l3")), states_prefetched=one, worker_l3_states=one)
 
     def counts(self) -> Counts:
-        c, h = self.mem.counters, self.host
+        c, h = self.tier.counters, self.host
         return Counts(c.load_tokens, c.prefetched_pages, h.pages_got, c.state_loads, c.states_prefetched,
                       h.states_got)
 
     @property
     def inflight(self) -> int:
-        return self.mem.inflight
+        return self.tier.inflight
 
     def quiet(self) -> bool:
-        return self.mem.inflight == 0 and not self.mem.memory_pending
+        return self.tier.inflight == 0 and not self.mem.pending
 
     def flush_device(self) -> None:
         tree, mem = self.tree, self.mem
         tree.evict(tree.evictable_size)
         tree.evict_states(tree.state_evictable)
         if (tree.evictable_size or tree.state_evictable or tree.state_protected
-                or mem.slots.available != mem.size or mem.states.available != mem.states.size):
+                or mem.slots.available != mem.size or self.pool.available != self.pool.size):
             raise RuntimeError("device flush incomplete: a device page or state is still held")
         kv = self.engine.kv
         for t in (*kv.k, *kv.v, *self.mamba.conv, *self.mamba.ssm):
@@ -215,15 +216,15 @@ class HybridTiers(Tiers):
 
     def flush_host(self) -> None:
         self.flush_device()
-        self.mem.kv_host.evict(len(self.mem.kv_host))
-        self.mem.state_host.evict(len(self.mem.state_host))
-        if len(self.mem.kv_host) or len(self.mem.state_host):
+        self.tier.kv_host.evict(len(self.tier.kv_host))
+        self.tier.state_host.evict(len(self.tier.state_host))
+        if len(self.tier.kv_host) or len(self.tier.state_host):
             raise RuntimeError("host flush incomplete: a host page or state is still held")
         self.host.pool.pages.normal_()
         self.host_states.states.random_(0, 256)
 
-    def check_idle_invariant(self) -> None:
-        self.mem.check_idle_invariant()
+    def check_idle(self) -> None:
+        self.mem.check_idle()
 
 
 @asynccontextmanager

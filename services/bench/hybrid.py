@@ -33,7 +33,6 @@ from typing import Any
 from services.bench.metrics import RunMetrics, summarize
 from services.bench.runner import InProcessBackend, replay, warm_up
 from services.bench.workloads import MultiTurnSpec, Turn, Workload, multi_turn_workload
-from services.scheduler.hybrid_memory import HybridMemory
 from services.scheduler.loop import LoopConfig
 
 
@@ -96,9 +95,10 @@ def run_one(run: Run, w: Workload, args: argparse.Namespace) -> Result:
             out = await replay(b, w, args.rows, _say, args.timeout_s)
             assert b.loop is not None and b.loop.batcher is not None
             mem = b.loop.batcher.mem
-            if isinstance(mem, HybridMemory):
-                counters.update(states_evicted=mem.states_evicted, forks_inserted=mem.forks_inserted,
-                                forks_skipped=mem.forks_skipped, donated=mem.donated)
+            if mem.states is not None:
+                c = mem.states.counters
+                counters.update(states_evicted=c.evicted, forks_inserted=c.fork_inserted,
+                                forks_skipped=c.fork_skipped, donated=c.donated)
             return out
 
     _say(f"-- {run.label}")

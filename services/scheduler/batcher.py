@@ -1,6 +1,6 @@
 """Forming one step: which requests run, which tokens, which slots (continuous batching).
 
-Pure bookkeeping over ``KVMemory`` and the queues; no I/O. The loop calls ``plan`` once per step
+Pure bookkeeping over ``Memory`` (``memory/core.py``) and the queues; no I/O. The loop calls ``plan`` once per step
 and ``commit`` with the step's result.
 
 Order of a plan:
@@ -17,12 +17,9 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.common.step import CacheOp, JobResult, LateMasks, ReleaseRow, ReqInput, StepRequest
+from services.common.step import CacheOp, JobResult, LateMasks, ReqInput, StepRequest
 from services.scheduler.elastic_control import ElasticControl
-from services.scheduler.hi_memory import HiMemory, TieredMemory
-from services.scheduler.hybrid_hi_memory import HybridHiMemory
-from services.scheduler.hybrid_memory import HybridMemory
-from services.scheduler.memory import KVMemory
+from services.scheduler.memory import Memory
 from services.scheduler.request import Finish, FinishEvent, Fork, Req, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -77,23 +74,16 @@ def _prefilling(req: Req) -> bool:
 
 
 class Batcher:
-    def __init__(self, memory: KVMemory, limits: BatchLimits, eos: frozenset[int], context_length: int) -> None:
+    def __init__(self, memory: Memory, limits: BatchLimits, eos: frozenset[int], context_length: int) -> None:
         self.mem = memory
         self.limits = limits
         self.eos = eos
         self.context_length = context_length
-        # Hybrid models: Mamba working states, copy-on-write from cached states and checkpoint
-        # forks (see hybrid_memory.py); None for dense models.
-        self.hybrid: HybridMemory | None = memory if isinstance(memory, HybridMemory) else None
-        # A worker with a host pool: host loads, backups, L3 puts and prefetches (hi_memory.py,
-        # hybrid_hi_memory.py).
-        self.hier: TieredMemory | None = memory if isinstance(memory, HiMemory | HybridHiMemory) else None
         # Elastic pools (set by the loop when a budget is configured): resizes go first in a step.
         self.elastic: ElasticControl | None = None
         self.resize_ops: list[CacheOp] = []
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
-        self.pending_ops: list[CacheOp] = []
         self.step_id = 0
         self.retractions = 0
         self.cached_tokens = 0  # Σ prompt tokens reused on first admission
@@ -116,40 +106,30 @@ class Batcher:
         budget = self.limits.max_prefill_tokens
         for req in self.running:
             if _prefilling(req) and budget > 0:
-                n = self._grant(req, self._chunk(req, min(req.remaining_prefill, budget)))
+                n = self._grant(req, self.mem.chunk_limit(req, min(req.remaining_prefill, budget)))
                 if n:
                     inputs.append((req, n))
                     budget -= n
         budget = self._admit(inputs, budget)
         stuck = any(_prefilling(r) for r in self.running) and not any(r.inflight for r in self.running)
-        if not inputs and stuck and not self._memory_pending():
+        if not inputs and stuck and not self.mem.pending:
             # Running requests need memory to go on and none is waiting for a result: retract.
             if self._retract_newest(exclude=self.running[0]) is None:
                 raise AssertionError("a single prefilling request cannot fit the pool")
             return self.plan()
-        hy = self.hybrid
-        host_ops = self.hier.take_tier_ops() if self.hier is not None else []
-        if (not inputs and not self.pending_ops and not self.resize_ops and not host_ops
-                and not (hy is not None and (hy.ops or hy.head_ops))):
+        ops = self.mem.take_ops(self.resize_ops)  # in the order memory/ops.py explains
+        self.resize_ops = []
+        if not inputs and not ops:
             return None
         self.step_id += 1
-        # Pool resizes first (later ops and inputs may use a grown pool), then forks planned in
-        # earlier steps, before this step's forward moves the states; host loads and backups
-        # (after the forks whose states they may back up, before the copies from loaded states
-        # and the forward that read them); then this plan's Mamba copies and resets.
-        head = [] if hy is None else hy.take_head()
-        mamba_ops = [] if hy is None else hy.take_ops([])
-        ops = [*self.resize_ops, *head, *host_ops, *mamba_ops, *self.pending_ops]
-        self.resize_ops = []
         step = StepRequest(self.step_id, ops=ops, reqs=[])
-        self.pending_ops = []
         plan = Plan(step, [])
         decoding = set(map(id, decodes))
         for req, n in inputs:
             if id(req) not in decoding:  # a prefill chunk: its tokens go into the tree on commit
                 plan.prefills.append(req)
             ri = self._input(req, n)
-            if hy is not None and (fork := hy.planned(req, req.planned_len)) is not None:
+            if (fork := self.mem.planned(req)) is not None:
                 plan.forks.append((req, fork))
             if ri.mask_follows:
                 plan.late.append(req)
@@ -196,30 +176,21 @@ class Batcher:
         held: list[Req] = []
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_running:
             req = self.waiting[0]
-            if req.inflight or self._sibling_in_flight(req) or (self.hier is not None and self.hier.hold(req)):
+            if req.inflight or self._sibling_in_flight(req) or self.mem.hold(req):
                 held.append(self.waiting.popleft())
                 continue
-            row = self.mem.rows.alloc()
-            if row is None:
+            matched = self.mem.admit(req)
+            if matched is None:  # no free row
                 break
-            matched = self.mem.match(req)
-            if self.hybrid is not None:
-                self.hybrid.plan_checkpoints(req)
             need = len(req.seq) - matched
-            chunk = self._chunk(req, min(need, budget))
+            chunk = self.mem.chunk_limit(req, min(need, budget))
             # Keep room for the decodes of everyone running (one token each next step).
-            if (
-                self.mem.available() - len(self.running) < chunk
-                or not self._grant(req, chunk)
-                or (self.hybrid is not None and not self.hybrid.start_state(req))
-            ):
-                self.mem.cache_and_release(req)
-                self.mem.rows.free(row)
-                if not self.running and not inputs and not self._memory_pending():
+            if not self.mem.start(req, chunk, reserve=len(self.running)):
+                self.mem.abandon(req)
+                if not self.running and not inputs and not self.mem.pending:
                     raise AssertionError("a waiting request cannot fit an empty pool")
                 break
             self.waiting.popleft()
-            req.row = row
             req.sent_history = False
             if req.first_admission:
                 req.cached_tokens = matched
@@ -232,11 +203,6 @@ class Batcher:
         self.waiting.extendleft(reversed(held))
         self.held_back += len(held)
         return budget
-
-    def _memory_pending(self) -> bool:
-        """Memory is on its way back without a request finishing (host backups of evicted pages in
-        flight or about to be sent): wait a step rather than retract or give up."""
-        return self.hier is not None and self.hier.memory_pending
 
     def _sibling_in_flight(self, req: Req) -> bool:
         """A running request is still computing (part of) this request's prefix: wait for it to
@@ -255,13 +221,9 @@ class Batcher:
             if matched < 0:
                 matched = self.mem.prefix_len(req)
             if reach >= matched + max(self.mem.page_size, MIN_HOLD_TOKENS):
-                if self.hybrid is not None:  # a state where the prompts part makes the wait pay
-                    self.hybrid.add_branch_hint(other, reach)
+                self.mem.branch_hint(other, reach)  # a state checkpoint where the prompts part pays
                 return True
         return False
-
-    def _chunk(self, req: Req, n: int) -> int:
-        return n if self.hybrid is None else self.hybrid.chunk_limit(req, n)
 
     def _input(self, req: Req, n: int) -> ReqInput:
         start = req.computed - n
@@ -312,15 +274,13 @@ class Batcher:
     def commit(self, plan: Plan, sampled: list[tuple[int, object]], jobs: Sequence[JobResult] = ()) -> None:
         """Record the samples (token id, logprob or None) of ``plan.sampled``, in order, and the
         acknowledgements of the step's host and L3 jobs."""
-        if self.hier is not None:
-            self.hier.on_results(list(jobs))
+        self.mem.on_results(list(jobs))
         for req in plan.prefills:
             if req.finished is None and not req.aborted and req.row is not None:
-                self.mem.cache_unfinished(req)
-        if self.hybrid is not None:
-            for req, fork in plan.forks:
-                if req.finished is None and not req.aborted and req.row is not None:
-                    self.hybrid.insert_fork(req, fork)
+                self.mem.commit_chunk(req)
+        for req, fork in plan.forks:
+            if req.finished is None and not req.aborted and req.row is not None:
+                self.mem.commit_fork(req, fork)
         for req, (tok, lp) in zip(plan.sampled, sampled, strict=True):
             req.inflight -= 1
             if req.finished is not None or req.aborted:
@@ -348,19 +308,12 @@ class Batcher:
     def finish(self, req: Req, reason: Finish, error: str = "") -> None:
         req.finished = reason
         req.grammar = None  # the matcher's buffers go with the request
-        self._release(req)
+        self.mem.release(req)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:  # retracted while its last sample was in flight
             self.waiting.remove(req)
         req.emit(FinishEvent(reason, len(req.prompt), len(req.output), req.cached_tokens, error))
-
-    def _release(self, req: Req) -> None:
-        self.mem.cache_and_release(req)
-        req.mamba_slot = None
-        row = self.mem.free_row(req)
-        if row is not None:
-            self.pending_ops.append(ReleaseRow(row))
 
     def _retract_newest(self, exclude: Req) -> Req | None:
         for victim in reversed(self.running):
@@ -368,7 +321,7 @@ class Batcher:
                 break
         else:
             return None
-        self._release(victim)
+        self.mem.release(victim)
         self.running.remove(victim)
         victim.retractions += 1
         self.retractions += 1
@@ -388,13 +341,10 @@ class Batcher:
     def fail_all(self, error: str) -> None:
         """The worker is gone: requeue running requests (their KV is lost) at the front."""
         for req in reversed(self.running):
-            req.slots, req.cache_len, req.lock, req.row, req.planned_len = [], 0, None, None, 0
-            req.mamba_slot, req.forks, req.checkpoints, req.branch_hints = None, [], [], []
             self.waiting.appendleft(req)
         for req in self.waiting:
+            self.mem.forget(req)  # its memory died with the worker (the host pool's reservations too)
             req.inflight = 0  # those samples died with the steps in flight
-            req.prefetch = None  # the host pool and its reservations died with the worker
         self.running = []
-        self.pending_ops = []
         self.resize_ops = []
         log.warning("worker lost (%s); %d requests requeued", error, len(self.waiting))

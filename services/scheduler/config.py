@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from services.common.config import ConfigError
-from services.scheduler.hi_memory import HiConfig
 from services.scheduler.loop import LoopConfig
+from services.scheduler.memory import HiConfig
 
 
 def _h(text: str) -> dict[str, str]:

@@ -29,8 +29,7 @@ from dataclasses import dataclass
 
 from services.common.step import PoolResize, WorkerInfo
 from services.scheduler.budget_ledger import BudgetLedger
-from services.scheduler.hybrid_memory import HybridMemory
-from services.scheduler.memory import KVMemory
+from services.scheduler.memory import Memory
 from services.scheduler.orchestrator import Demand, Need, Orchestrator, ResizePlan
 from services.scheduler.request import Req
 
@@ -48,14 +47,13 @@ class ElasticConfig:
 
 class ElasticControl:
     def __init__(
-        self, cfg: ElasticConfig, info: WorkerInfo, mem: KVMemory, ledger: BudgetLedger | None = None
+        self, cfg: ElasticConfig, info: WorkerInfo, mem: Memory, ledger: BudgetLedger | None = None
     ) -> None:
         """``ledger``: a budget shared with other workers' schedulers; ``cfg.budget_bytes`` is then
         its total, and this worker may commit only what the ledger has granted it."""
         if not info.elastic:
             log.warning("worker pools are fixed allocations: resizes are bookkeeping only")
         self.info, self.mem = info, mem
-        self.hybrid = mem if isinstance(mem, HybridMemory) else None
         m_bytes = info.bytes_per_mamba_slot if info.hybrid else 1
         min_kv = cfg.min_kv_slots or min(info.context_length, info.max_slots)
         min_m = max(1, cfg.min_mamba_slots) if info.hybrid else 0
@@ -90,20 +88,16 @@ class ElasticControl:
         # Live = held by requests or locked in the cache: a count, not a high-water mark. Cached
         # but unlocked entries are not live (a shrink evicts them), and held slots above a shrink
         # target are waited for (the shrink is lazy), so a target may lie below a held slot.
-        u = self.mem.usage()
-        h = self.hybrid
-        m_live = 0
-        if h is not None:
-            m_live = h.states.size + h.states.shrink_pending - h.states.available
-            m_live -= h.mcache.state_evictable if h.mcache is not None else 0
+        kv_live, m_live = self.mem.live()
         # Only the requests that find a free row can be admitted now; the others wait for running
         # requests to finish and then reuse the slots and states those free. Counting them would
         # ask for memory no request can use (and, over the budget, squeeze the other pool for it).
         # A request needs its whole length (prompt and every new token) and one working state.
-        admissible = waiting[: self.mem.rows.available]
-        queue = [Need(len(r.prompt) + r.gen.max_new_tokens, 1 if h is not None else 0) for r in admissible]
+        admissible = waiting[: self.mem.rows_free]
+        state = 1 if self.info.hybrid else 0
+        queue = [Need(len(r.prompt) + r.gen.max_new_tokens, state) for r in admissible]
         return Demand.of_queue(
-            kv_live=min(u.size - u.free - u.evictable, self.sent.kv_slots),
+            kv_live=min(kv_live, self.sent.kv_slots),
             mamba_live=min(m_live, self.sent.mamba_slots),
             queue=queue,
             idle_for_s=0.0 if busy else now - self._last_busy,
@@ -119,7 +113,7 @@ class ElasticControl:
             self._target = ResizePlan(min(plan.kv_slots, self.info.max_slots),
                                       min(plan.mamba_slots, self.info.max_mamba_slots))
         self._set_limits()
-        self._drain()
+        self.mem.drain()
         send = self._sendable()
         if send != self.sent:
             self.sent = send
@@ -147,25 +141,15 @@ class ElasticControl:
         if limits == self._limits:
             return
         self._limits = limits
-        self.mem.slots.resize(limits.kv_slots)
-        if self.hybrid is not None:
-            self.hybrid.states.resize(limits.mamba_slots)
-
-    def _drain(self) -> None:
-        """Evict cached entries holding slots above a pending shrink's target (cheapest first)."""
-        mem = self.mem
-        while not mem.slots.shrink_done and mem.cache.evictable_size:
-            mem.evicted += mem.cache.evict(mem.slots.shrink_pending)
-        h = self.hybrid
-        while h is not None and h.mcache is not None and not h.states.shrink_done and h.mcache.state_evictable:
-            h.states_evicted += h.mcache.evict_states(h.states.shrink_pending)
+        self.mem.set_limits(limits.kv_slots, limits.mamba_slots)
 
     def _sendable(self) -> ResizePlan:
         """Per pool: the target when it grows or its shrink has drained, else what the worker has;
         a grow waits if it would put the worker over budget beside a shrink still draining."""
         t, cur = self._target, self.sent
-        kv_ready = t.kv_slots >= cur.kv_slots or self.mem.slots.shrink_done
-        m_ready = t.mamba_slots >= cur.mamba_slots or self.hybrid is None or self.hybrid.states.shrink_done
+        kv_done, m_done = self.mem.shrink_done()
+        kv_ready = t.kv_slots >= cur.kv_slots or kv_done
+        m_ready = t.mamba_slots >= cur.mamba_slots or m_done
         plan = ResizePlan(t.kv_slots if kv_ready else cur.kv_slots, t.mamba_slots if m_ready else cur.mamba_slots)
         if self.orch.bytes_of(plan) > self.orch.budget_bytes:
             plan = ResizePlan(min(plan.kv_slots, cur.kv_slots), min(plan.mamba_slots, cur.mamba_slots))

@@ -18,16 +18,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.common.errors import ResourceExhausted, Unavailable
-from services.common.page_hash import HashNamespace
 from services.common.step import WorkerInfo
 from services.common.validation import Limits
 from services.scheduler.batcher import Batcher, BatchLimits, Plan
 from services.scheduler.budget_ledger import BudgetLedger
 from services.scheduler.elastic_control import ElasticConfig, ElasticControl
-from services.scheduler.hi_memory import HiConfig, HiMemory
-from services.scheduler.hybrid_hi_memory import HybridHiMemory
-from services.scheduler.hybrid_memory import HybridMemory
-from services.scheduler.memory import KVMemory
+from services.scheduler.memory import HiConfig, MemoryConfig, build_memory
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.request import Finish, FinishEvent, Req
 from services.scheduler.worker_link import WorkerGone, WorkerLink
@@ -91,31 +87,10 @@ class SchedulerLoop:
         """Serve with ``link``'s worker; its pools start empty."""
         info = link.info
         cfg = self.cfg
-        mem: KVMemory
-        if info.hybrid and info.host_pages and info.host_states and cfg.cache == "radix":
-            mem = HybridHiMemory(
-                info.num_slots, info.num_rows, info.page_size, info.num_mamba_slots,
-                host_pages=info.host_pages, host_states=info.host_states,
-                host_page_tokens=info.host_page_tokens,
-                namespace=HashNamespace(info.fingerprint, info.kv_layout), state_layout=info.state_layout,
-                l3=info.l3, state_policy="lru" if cfg.mamba_policy == "lru" else "marconi",
-                checkpoint_every=cfg.checkpoint_every or cfg.max_prefill_tokens, cfg=cfg.hicache,
-            )
-        elif info.hybrid:
-            mem = HybridMemory(
-                info.num_slots, info.num_rows, info.page_size, cfg.cache, info.num_mamba_slots,
-                state_policy="lru" if cfg.mamba_policy == "lru" else "marconi",
-                checkpoint_every=cfg.checkpoint_every or cfg.max_prefill_tokens,
-            )
-        elif info.host_pages and cfg.cache == "radix":
-            mem = HiMemory(
-                info.num_slots, info.num_rows, info.page_size,
-                host_pages=info.host_pages, host_page_tokens=info.host_page_tokens,
-                namespace=HashNamespace(info.fingerprint, info.kv_layout), l3=info.l3,
-                eviction="lfu" if cfg.eviction == "lfu" else "lru", cfg=cfg.hicache,
-            )
-        else:
-            mem = KVMemory(info.num_slots, info.num_rows, info.page_size, cfg.cache, cfg.eviction)
+        mem = build_memory(info, MemoryConfig(
+            cache=cfg.cache, eviction=cfg.eviction, state_policy=cfg.mamba_policy,
+            checkpoint_every=cfg.checkpoint_every or cfg.max_prefill_tokens, hicache=cfg.hicache,
+        ))
         limits = BatchLimits(
             max_prefill_tokens=self.cfg.max_prefill_tokens,
             max_running=min(self.cfg.max_running, info.num_rows),
@@ -239,7 +214,7 @@ class SchedulerLoop:
                 continue
             if plan is None and not inflight:
                 if self.cfg.check_invariants and batcher.idle:
-                    batcher.mem.check_idle_invariant()
+                    batcher.mem.check_idle()
                 self._wake.clear()
                 # Elastic pools: look again after a while, to give memory back once idle long enough.
                 tick = (asyncio.sleep(ELASTIC_TICK_S),) if batcher.elastic is not None else ()

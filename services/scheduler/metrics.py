@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 
 from services.common.metrics import MetricFactory
 from services.common.step import StepResult
 from services.scheduler.batcher import Batcher, Plan
-from services.scheduler.hi_memory import HiMemory
-from services.scheduler.hybrid_hi_memory import HybridHiMemory
-from services.scheduler.hybrid_memory import HybridMemory
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +64,13 @@ class SchedulerMetrics:
         self.evicted_slots.inc(batcher.mem.evicted - evicted)
         self.prompt_tokens.inc(batcher.prompt_tokens - prompt)
         self._last = (batcher.cached_tokens, batcher.retractions, batcher.mem.evicted, batcher.prompt_tokens)
-        if isinstance(batcher.mem, HybridMemory):
-            self._observe_mamba(batcher.mem)
-        if isinstance(batcher.mem, HiMemory | HybridHiMemory):
-            self._observe_hi(batcher.mem)
+        stats = batcher.mem.stats()
+        for owner, n in stats.get("state_slots", {}).items():
+            self.mamba_slots.labels(owner).set(n)
+        for state, n in stats.get("host_pages", {}).items():
+            self.host_pages.labels(state).set(n)
+        self._last_mamba = self._count(self.mamba_events, stats.get("state_events", {}), self._last_mamba)
+        self._last_hi = self._count(self.hicache_events, stats.get("host_events", {}), self._last_hi)
         self.generated_tokens.inc(len(result.outputs))
         self.step_seconds.observe(step_s)
         self.worker_forward_seconds.observe(result.forward_s)
@@ -88,33 +87,12 @@ class SchedulerMetrics:
             )  # fmt: skip
             self._last_log, self._tokens_since_log = now, 0
 
-    def _observe_mamba(self, mem: HybridMemory) -> None:
-        free = mem.states.available
-        cached = (mem.mcache.state_evictable + mem.mcache.state_protected) if mem.mcache is not None else 0
-        self.mamba_slots.labels("free").set(free)
-        self.mamba_slots.labels("cache").set(cached)
-        self.mamba_slots.labels("requests").set(mem.states.size - free - cached)
-        now = {
-            "cow_copy": mem.cow_copies, "fork": mem.forks, "fork_inserted": mem.forks_inserted,
-            "fork_skipped": mem.forks_skipped, "donated": mem.donated, "evicted": mem.states_evicted,
-        }
+    @staticmethod
+    def _count(counter: Counter, now: dict[str, int], last: dict[str, int]) -> dict[str, int]:
+        """Add what each event's running total grew by since ``last``; returns ``now``."""
         for event, n in now.items():
-            self.mamba_events.labels(event).inc(n - self._last_mamba.get(event, 0))
-        self._last_mamba = now
-
-    def _observe_hi(self, mem: HiMemory | HybridHiMemory) -> None:
-        if isinstance(mem, HiMemory):
-            free, evictable, protected = mem.host.available, mem.hi.host_evictable_size, mem.hi.host_protected_size
-        else:  # a hybrid model's host states are counted in the events
-            host = mem.kv_host
-            free, evictable, protected = host.size - len(host) - host.reserved, host.evictable, host.protected
-        self.host_pages.labels("free").set(free)
-        self.host_pages.labels("evictable").set(evictable)
-        self.host_pages.labels("protected").set(protected)
-        now = asdict(mem.counters)
-        for event, n in now.items():
-            self.hicache_events.labels(event).inc(n - self._last_hi.get(event, 0))
-        self._last_hi = now
+            counter.labels(event).inc(n - last.get(event, 0))
+        return now
 
     def reset(self) -> None:
         """A new batcher (worker re-attached) starts its counters from zero."""

@@ -71,7 +71,7 @@ class Req:
     # Tokens covered by inputs of steps already planned (<= computed: a slot granted in a plan
     # that then retracted the request was never written).
     planned_len: int = 0
-    # Hybrid models (see services.scheduler.hybrid_memory): where to fork the working state into
+    # Hybrid models (see services.scheduler.memory.states): where to fork the working state into
     # the cache, positions siblings wait for, forks not yet in the tree, the matched state and
     # where the prompt left the tree at admission.
     checkpoints: list[int] = field(default_factory=list)

@@ -1,14 +1,12 @@
-"""Memory of a hybrid model whose worker has a host pool: the hierarchical cache for KV *and*
-Mamba states.
+"""The host tier of a model with recurrent layers: KV pages and states in hash-keyed host indexes
+beside the device's prefix tree (which must carry states).
 
-A hybrid prefix is only usable with the recurrent state right after it, so below the device
-(``HybridMemory``'s Mamba radix cache, paged in host pages so that every checkpoint sits on a
-host-page boundary) the tiers keep two kinds of object under the same chained page hashes
-(``services.common.page_hash``):
-
-- KV pages, keyed by the page's hash ``h_i``; Mamba states, keyed by ``state_key(h_i)`` for the
-  state right after page ``i`` (only at checkpoints). On the host (L2) each kind has a
-  ``HostIndex``; in L3 they are plain kvstore keys.
+A hybrid prefix is only usable with the recurrent state right after it, so below the device (the
+tree is paged in host pages, so every checkpoint sits on a host-page boundary) the tiers keep two
+kinds of object under the same chained page hashes (``services.common.page_hash``): KV pages, keyed
+by the page's hash ``h_i``, and states, keyed by ``state_key(h_i)`` for the state right after page
+``i`` (only at checkpoints). On the host (L2) each kind has a ``HostIndex``; in L3 they are plain
+kvstore keys.
 
 Flows (each op is acknowledged by the worker in ``StepResult.jobs``; a *group* is the one or two
 ops, pages and state, of one backup / put / prefetch, finished when all its ops are):
@@ -16,89 +14,63 @@ ops, pages and state, of one backup / put / prefetch, finished when all its ops 
 - **write_through**: a state that enters the device tree (a fork, or a donated working state) is
   backed up with the pages before it that the host lacks: the node is locked (KV path + state),
   ``HostBackup`` + ``StateBackup`` go with the next step — after that step's fork copies, so a fork
-  is read once it holds its state — and on acknowledgement the pages and the state join the host
-  index and the node is unlocked. With L3, an ``L3Put`` of what is new follows.
-- **admission** (``match``): after the device match (``n`` tokens with a state; KV reach ``d``
-  through tombstones) the host is searched for the deepest state ``q > n`` whose pages lie below
-  ``d`` or in the host's run of pages from ``d``. Pages ``[d, q)`` are loaded into new slots
+  is read once it holds its state (``ops.py``) — and on acknowledgement the pages and the state
+  join the host index and the node is unlocked. With L3, an ``L3Put`` of what is new follows.
+- **admission** (``extend_match``): after the device match (``n`` tokens with a state; KV reach
+  ``d`` through tombstones) the host is searched for the deepest state ``q > n`` whose pages lie
+  below ``d`` or in the host's run of pages from ``d``. Pages ``[d, q)`` are loaded into new slots
   (``HostLoad``), the state into a new state slot (``StateLoad``); the prefix and that state are
   inserted into the device tree, locked and served like a device hit (the request's copy-on-write
-  ``MambaCopy`` follows in the same step). Loads are acknowledged when planned, as in
-  ``HiMemory``: the step stream runs them before any reader.
+  follows in the same step).
 - **L3 prefetch** (``hold``): ``Req.l3_pages`` is the deepest state (in pages) whose pages and
   state L3 holds (``l3_lookup``). When it exceeds the local reach by ``prefetch_threshold`` pages,
   the missing pages and the state are fetched into reserved host pages (two ``L3Get``), the host
   pages the fetch continues are pinned, and the request waits as its stop policy says. The
   leading pages that arrived join the host index, and the state too when every page did.
 
-Only ``write_through`` exists for hybrid models (a state is worth keeping where it was made).
-Groups in flight plus backups queued are bounded by ``max_inflight_jobs``; beyond it a backup,
-put or prefetch is skipped and counted (``refused``). Invariants when idle: device KV and Mamba as in
-``HybridMemory``; host ``available + evictable + protected + reserved == size`` for pages and
-states (``HostIndex.check``).
+Only ``write_through`` exists for hybrid models so far (a configured write_back / selective policy
+logs a warning). Groups in flight plus backups queued are bounded by ``max_inflight_jobs``; beyond
+it a backup, put or prefetch is skipped and counted (``refused``). Invariant when idle: ``available
++ evictable + protected + reserved == size`` for pages and states (``HostIndex.check``).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
 
 from services.common.page_hash import HashNamespace, page_hashes, state_key
 from services.common.step import CacheOp, HostLoad, JobResult, StateLoad
 from services.scheduler.cache.base import CacheHandle, CacheKey
 from services.scheduler.cache.hiradix_policy import PrefetchTracker, should_prefetch
 from services.scheduler.cache.host_index import HostIndex
-from services.scheduler.cache.mamba_policy import StatePolicy
-from services.scheduler.hi_memory import HiConfig, HiCounters, wait_for_prefetch
+from services.scheduler.cache.tree import PrefixTree
 from services.scheduler.host_alloc import HostPageAllocator
 from services.scheduler.hybrid_host_jobs import Group, group_ops, land
-from services.scheduler.hybrid_memory import HybridMemory
+from services.scheduler.memory.host import HiConfig, HiCounters, match_key, wait_for_prefetch
+from services.scheduler.memory.states import StateTrack
 from services.scheduler.request import Req
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class HybridHiCounters(HiCounters):
-    state_loads: int = 0
-    state_backups: int = 0
-    state_puts: int = 0
-    states_prefetched: int = 0
-    refused: int = 0  # backups / puts / prefetches skipped: in-flight bound or no host room
-
-
-class HybridHiMemory(HybridMemory):
-    """``HybridMemory`` with host and L3 tiers for pages and states; see the module docstring."""
-
+class IndexHostTier:
     def __init__(
-        self,
-        num_slots: int,
-        num_rows: int,
-        page_size: int,
-        num_states: int,
-        *,
-        host_pages: int,
-        host_states: int,
-        host_page_tokens: int,
-        namespace: HashNamespace,
-        state_layout: str,
-        l3: bool,
-        state_policy: StatePolicy = "marconi",
-        checkpoint_every: int = 1024,
-        cfg: HiConfig | None = None,
+        self, tree: PrefixTree, states: StateTrack, *, host_pages: int, host_states: int,
+        namespace: HashNamespace, state_layout: str, l3: bool, cfg: HiConfig,
+        alloc: Callable[[int], list[int] | None], free_pages: Callable[[list[int]], None],
     ) -> None:
-        super().__init__(
-            num_slots, num_rows, page_size, "radix", num_states, state_policy=state_policy,
-            checkpoint_every=checkpoint_every, tree_page=host_page_tokens,
-        )
+        """``alloc`` / ``free_pages``: ``Memory``'s (slots for loads, evicting when short)."""
         if host_pages < 1 or host_states < 1:
             raise ValueError(f"a hybrid host tier needs host pages and host states, got {host_pages} / {host_states}")
         if not state_layout:
             raise ValueError("state_layout must be non-empty (it is part of every state key)")
-        self.cfg = cfg or HiConfig()
-        if self.cfg.write_policy != "write_through":
-            log.warning("hybrid models back states up write_through; write policy %r not used", self.cfg.write_policy)
+        if cfg.write_policy != "write_through":
+            log.warning("hybrid models back states up write_through; write policy %r not used", cfg.write_policy)
+        self.tree, self.states, self.cfg = tree, states, cfg
+        self.tree_page = tree.page_size
+        self._alloc, self._free_pages = alloc, free_pages
         self.kv_host = HostIndex(HostPageAllocator(host_pages))
         self.state_host = HostIndex(HostPageAllocator(host_states))
         self.namespace = namespace
@@ -112,7 +84,7 @@ class HybridHiMemory(HybridMemory):
         self._incoming: set[bytes] = set()  # keys a backup is writing to the host
         self._ids = itertools.count(1)
         self._ns: dict[str, HashNamespace] = {}
-        self.counters = HybridHiCounters()
+        self.counters = HiCounters()
 
     # -- keys -----------------------------------------------------------------------------------
     def _hashes(self, key: CacheKey) -> list[bytes]:
@@ -137,39 +109,35 @@ class HybridHiMemory(HybridMemory):
         return e, 0
 
     # -- admission ------------------------------------------------------------------------------
-    def match(self, req: Req) -> int:
-        n = super().match(req)
-        assert self.mcache is not None
-        key = self.match_key(req)
+    def extend_match(self, req: Req, key: CacheKey, n: int) -> int:
         keys = self._hashes(key)
-        _, q = self._host_reach(keys, n, len(self.mcache.kv_path(key)))
-        if q:
-            n = self._load(req, key, keys, q) or n
-        req.cache_len = req.planned_len = n
-        return n
+        _, q = self._host_reach(keys, n, len(self.tree.kv_path(key)))
+        return (self._load(req, key, keys, q) or n) if q else n
+
+    def prefix_len(self, key: CacheKey) -> int:
+        return self.tree.match(key).length
 
     def _load(self, req: Req, key: CacheKey, keys: list[bytes], q: int) -> int:
         """Bring pages ``[d, q)`` and the state after page ``q`` from the host, insert them into
         the device tree and serve the request from there; 0 when there is no room."""
-        assert self.mcache is not None
         ps, n = self.tree_page, req.cache_len
         end = q * ps
-        state = self._alloc_state()
+        state = self.states.alloc()
         if state is None:
             return 0
-        got = self.alloc(end - n) if end > n else []
+        got = self._alloc(end - n) if end > n else []
         if got is None:
-            self.states.free(state)
+            self.states.pool.free(state)
             return 0
-        dev = self.mcache.kv_path(key)[:end]  # again: making room may have evicted tombstones
+        dev = self.tree.kv_path(key)[:end]  # again: making room may have evicted tombstones
         d = len(dev)
         if d < end and self.kv_host.run(keys, d // ps) < q:
-            self.slots.free(self._pages(got))
-            self.states.free(state)
+            self._free_pages(got)
+            self.states.pool.free(state)
             return 0
         new, spare = got[: end - d], got[end - d :]
         if spare:
-            self.slots.free(self._pages(spare))
+            self._free_pages(spare)
         skey = self._skey(keys[q - 1])
         sentry = self.state_host.get(skey)
         assert sentry is not None
@@ -180,13 +148,13 @@ class HybridHiMemory(HybridMemory):
         self.kv_host.touch(keys[:q])
         self.state_host.touch([skey])
         pkey = CacheKey(key.tokens[:end], key.extra)
-        res = self.mcache.insert_checkpoint(pkey, dev + new, state)
+        res = self.tree.insert_checkpoint(pkey, dev + new, state)
         assert res.cached_len == d, (res.cached_len, d)
-        m = self.mcache.match(pkey)
+        m = self.tree.match(pkey)
         assert len(m.slots) == end
-        self.mcache.lock(m.node)
+        self.tree.lock(m.node)
         if req.lock is not None:
-            self.mcache.unlock(req.lock)
+            self.tree.unlock(req.lock)
         req.lock, req.slots, req.matched_state = m.node, list(m.slots), m.state
         req.branch_len = max(req.branch_len, end)
         self.counters.load_tokens += len(new)
@@ -198,13 +166,13 @@ class HybridHiMemory(HybridMemory):
         return wait_for_prefetch(req, self._start_prefetch)
 
     def _start_prefetch(self, req: Req, now: float) -> PrefetchTracker | None:
-        if not self.l3 or req.l3_pages <= 0 or self.mcache is None:
+        if not self.l3 or req.l3_pages <= 0 or self.tree is None:
             return None
-        key = self.match_key(req)
+        key = match_key(req)
         keys = self._hashes(key)
         top = min(req.l3_pages, len(keys))
-        n = self.mcache.match(key).length
-        d = len(self.mcache.kv_path(key))
+        n = self.tree.match(key).length
+        d = len(self.tree.kv_path(key))
         e, q = self._host_reach(keys, n, d)
         local = max(n // self.tree_page, q)
         if not should_prefetch(top, local, self.cfg.prefetch_threshold):
@@ -234,19 +202,18 @@ class HybridHiMemory(HybridMemory):
         return g.tracker
 
     # -- writes ---------------------------------------------------------------------------------
-    def checkpointed(self, key: CacheKey) -> None:
+    def cached(self, key: CacheKey) -> None:
         """A state entered the device tree at the end of ``key``: back it up (write_through)."""
-        assert self.mcache is not None
-        m = self.mcache.match(key)
+        m = self.tree.match(key)
         if m.length != len(key.tokens) or m.state is None:
             return
         if self._full():
             self.counters.refused += 1
             return
-        self.mcache.lock(m.node)
+        self.tree.lock(m.node)
         self._backlog.append((m.node, key, m.state))
 
-    def take_tier_ops(self) -> list[CacheOp]:
+    def take_ops(self) -> list[CacheOp]:
         """Loads and prefetches planned so far, then the backups and puts due now."""
         ops, self.tier_ops = self.tier_ops, []
         backlog, self._backlog = self._backlog, []
@@ -258,14 +225,13 @@ class HybridHiMemory(HybridMemory):
         return ops
 
     def _start_backup(self, node: CacheHandle, key: CacheKey, slot: int, ops: list[CacheOp]) -> None:
-        assert self.mcache is not None
         ps = self.tree_page
         keys = self._hashes(key)
         skey = self._skey(keys[-1])
         missing = [i for i, k in enumerate(keys) if k not in self.kv_host and k not in self._incoming]
         need_state = skey not in self.state_host and skey not in self._incoming
         if not missing and not need_state:  # the host has it all, or is getting it
-            self.mcache.unlock(node)
+            self.tree.unlock(node)
             return
         pages = self.kv_host.reserve(len(missing))
         hs = self.state_host.reserve(1) if need_state and pages is not None else []
@@ -273,9 +239,9 @@ class HybridHiMemory(HybridMemory):
             if pages:
                 self.kv_host.release(pages)
             self.counters.refused += 1
-            self.mcache.unlock(node)
+            self.tree.unlock(node)
             return
-        slots = self.mcache.kv_path(key)
+        slots = self.tree.kv_path(key)
         assert len(slots) == len(key.tokens), "a locked node keeps its path"
         g = Group("backup", [keys[i] for i in missing], pages, skey if hs else None, hs[0] if hs else None)
         g.node = node
@@ -339,8 +305,8 @@ class HybridHiMemory(HybridMemory):
         elif g.kind == "backup":
             self._incoming.difference_update(g.keys)
             self._incoming.discard(g.skey or b"")
-            assert g.node is not None and self.mcache is not None
-            self.mcache.unlock(g.node)
+            assert g.node is not None and self.tree is not None
+            self.tree.unlock(g.node)
             self.counters.backup_pages += got
             self.counters.state_backups += state_ok
             if self.l3 and (got or state_ok):
@@ -362,7 +328,14 @@ class HybridHiMemory(HybridMemory):
         return self._busy
 
     # -- accounting -----------------------------------------------------------------------------
-    def check_idle_invariant(self) -> None:
-        super().check_idle_invariant()
+    def evict_device(self, n: int) -> int:
+        return self.tree.evict(n)
+
+    def host_pages(self) -> dict[str, int]:
+        """Host KV pages by state (a hybrid model's host states are counted in the events)."""
+        h = self.kv_host
+        return {"free": h.size - len(h) - h.reserved, "evictable": h.evictable, "protected": h.protected}
+
+    def check_idle(self) -> None:
         self.kv_host.check()
         self.state_host.check()

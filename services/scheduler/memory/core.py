@@ -1,0 +1,372 @@
+"""What happens to a request's memory, from admission to release: one ``Memory`` per worker.
+
+``Memory`` is the only thing the batcher, elastic control and metrics see of the worker's pools.
+It composes:
+
+- **slots and rows** (``SlotAllocator``, ``RowAllocator``): always;
+- **the prefix tree** (``cache.tree.PrefixTree``; ``NoCache`` with the cache off): token prefixes to
+  KV slots, and to states when the model has recurrent layers;
+- **a state track** (``states.StateTrack``) when the worker has a state pool: working states,
+  copy-on-write, checkpoint forks, donation;
+- **a host tier** (``host.HostTier``) when the worker has a host pool: host pages (and states),
+  loads at admission, backups and L3 puts by the write policy, L3 prefetch by the stop policy.
+
+The life of a request's memory, one verb per point (the batcher calls them in this order):
+
+    admit        a row; the longest cached prefix (device, then host) locked and adopted
+    hold         wait for an L3 prefetch first? (host tier)
+    chunk_limit  cut a prefill chunk at the next state checkpoint (state track)
+    start        slots for the first chunk, and the working state
+    extend       slots for the next tokens (whole pages; evicts unlocked cache when short)
+    planned      the step being planned computes up to here: fork the state if a checkpoint
+    take_ops     the step's cache ops, in the order ``ops.step_ops`` gives and explains
+    on_results   the worker acknowledged the step's host / L3 jobs
+    commit_chunk a committed prefill chunk enters the tree (siblings can match it)
+    commit_fork  a committed checkpoint enters the tree with its state
+    release      finished, aborted or retracted: computed pages to the tree, the rest freed
+
+Ownership of a request's slots (see ``Req``): ``slots[:cache_len]`` belong to the tree and are
+locked by the request; ``slots[cache_len:]`` are the request's until it caches or frees them.
+Invariants, checked when idle (``check_idle``): ``free + evictable + protected == size`` for the KV
+pool, for the state pool, and (with ``reserved``) for the host pools.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from services.common.step import CacheOp, JobResult, ReleaseRow
+from services.scheduler.allocator import RowAllocator, SlotAllocator
+from services.scheduler.cache.base import CacheKey, NoCache, PrefixCache
+from services.scheduler.cache.tree import PrefixTree
+from services.scheduler.memory.host import HostTier, match_key
+from services.scheduler.memory.ops import step_ops
+from services.scheduler.memory.states import StateTrack
+from services.scheduler.request import Fork, Req
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    size: int
+    free: int
+    evictable: int
+    protected: int
+
+    @property
+    def used_by_requests(self) -> int:
+        return self.size - self.free - self.evictable - self.protected
+
+
+class Memory:
+    """Slots, rows, the prefix tree and the optional state track and host tier of one worker."""
+
+    def __init__(
+        self, slots: SlotAllocator, rows: RowAllocator, tree: PrefixCache,
+        states: StateTrack | None = None, host: HostTier | None = None,
+    ) -> None:
+        if states is not None and not isinstance(tree, PrefixTree | NoCache):
+            raise ValueError("a state track needs the prefix tree")
+        self.slots, self.rows, self.tree, self.states, self.host = slots, rows, tree, states, host
+        self.page_size = slots.page_size
+        self.caching = not isinstance(tree, NoCache)
+        self.evicted = 0  # slots evicted from the tree so far
+        self._released_rows: list[CacheOp] = []
+
+    @property
+    def size(self) -> int:
+        """Slots the accounting covers: the allocator's limit plus a shrinking tail still held."""
+        return self.slots.size + self.slots.shrink_pending
+
+    # -- admission ------------------------------------------------------------------------------
+    match_key = staticmethod(match_key)
+
+    def admit(self, req: Req) -> int | None:
+        """Give ``req`` a row and lock the longest cached prefix (device, then what the host tier
+        brings back); None when no row is free. Undo with ``abandon``."""
+        row = self.rows.alloc()
+        if row is None:
+            return None
+        req.row = row
+        key = self.match_key(req)
+        n = self._match_device(req, key)
+        if self.host is not None:
+            n = self.host.extend_match(req, key, n)
+        req.cache_len = req.planned_len = n
+        if self.states is not None:
+            self.states.plan_checkpoints(req)
+        return n
+
+    def _match_device(self, req: Req, key: CacheKey) -> int:
+        if isinstance(self.tree, PrefixTree):
+            m = self.tree.match(key)
+            req.branch_len, req.matched_state = m.kv_len, m.state
+        else:
+            m0 = self.tree.match_prefix(key)
+            req.branch_len, req.matched_state = 0, None
+            m = m0  # type: ignore[assignment]
+        n = len(m.slots)
+        if n:
+            self.tree.lock(m.node)
+            req.lock, req.slots = m.node, list(m.slots)
+        req.cache_len = req.planned_len = n
+        return n
+
+    def prefix_len(self, req: Req) -> int:
+        """How much of ``req.seq`` is usable now without a recompute (no locking, no hit counted;
+        for longest-prefix-first ordering and sibling waits)."""
+        key = self.match_key(req)
+        if self.host is not None:
+            return self.host.prefix_len(key)
+        return len(self.tree.match_prefix(key).slots)
+
+    def hold(self, req: Req) -> bool:
+        """Whether ``req`` should wait (for its L3 prefetch) before admission."""
+        return self.host is not None and self.host.hold(req)
+
+    def chunk_limit(self, req: Req, n: int) -> int:
+        return n if self.states is None else self.states.chunk_limit(req, n)
+
+    def start(self, req: Req, n: int, reserve: int) -> bool:
+        """Slots for the admitted request's first ``n`` tokens, keeping ``reserve`` for others'
+        decodes, and its working state; False when memory is short (``abandon`` it)."""
+        if self.available() - reserve < n or not self.extend(req, n):
+            return False
+        return self.states is None or self.states.start(req)
+
+    def abandon(self, req: Req) -> None:
+        """Undo an ``admit`` whose request was not scheduled (its row was never sent)."""
+        self._cache_and_release(req)
+        if req.row is not None:
+            self.rows.free(req.row)
+            req.row = None
+
+    def branch_hint(self, req: Req, pos: int) -> None:
+        """A sibling waits for ``req``'s prefix up to ``pos`` (a checkpoint there pays)."""
+        if self.states is not None:
+            self.states.add_branch_hint(req, pos)
+
+    # -- slots ----------------------------------------------------------------------------------
+    def extend(self, req: Req, n: int) -> bool:
+        """Give ``req`` slots for its next ``n`` tokens: the rest of its last page first, then new
+        whole pages (token i always sits at offset i % page_size of a page, so pages can be
+        shared). The unused tail of the last page stays the request's until it is released."""
+        got: list[int] = []
+        ps = self.page_size
+        if ps > 1 and req.slots and req.computed % ps:
+            last = req.slots[-1]
+            got = list(range(last + 1, last + 1 + min(ps - 1 - last % ps, n)))
+        rest = n - len(got)
+        if rest:
+            new = self.alloc(rest)
+            if new is None:
+                return False
+            got += new[:rest]
+        req.slots.extend(got)
+        return True
+
+    def alloc(self, n: int) -> list[int] | None:
+        """``n`` slots (rounded to whole pages by the allocator), evicting unlocked cache if needed."""
+        got = self.slots.alloc(n)
+        if got is None:
+            self.evict(n - self.slots.available + self.page_size)
+            got = self.slots.alloc(n)
+        return got
+
+    def evict(self, n: int) -> None:
+        if self.host is not None:
+            self.evicted += self.host.evict_device(n)
+        else:
+            self.evicted += self.tree.evict(n)  # frees through the allocator callback
+
+    def free_pages(self, slots: list[int]) -> None:
+        """Free every slot of the pages ``slots`` touch (a request's own pages are wholly its own)."""
+        ps = self.page_size
+        if ps > 1 and slots:
+            slots = [p * ps + i for p in sorted({s // ps for s in slots}) for i in range(ps)]
+        if slots:
+            self.slots.free(slots)
+
+    def available(self) -> int:
+        """Slots a new request could get: free now plus evictable."""
+        return self.slots.available + self.tree.evictable_size
+
+    # -- the step -------------------------------------------------------------------------------
+    def planned(self, req: Req) -> Fork | None:
+        """The step being planned brings ``req`` to ``req.planned_len``: fork its state there if
+        that is a checkpoint (returns the fork to commit with the step)."""
+        return None if self.states is None else self.states.planned(req, req.planned_len)
+
+    def take_ops(self, resize: list[CacheOp]) -> list[CacheOp]:
+        """The cache ops of the step being planned, ``resize`` (elastic pools) included."""
+        forks, state_ops = self.states.take() if self.states is not None else ([], [])
+        host_ops = self.host.take_ops() if self.host is not None else []
+        rows, self._released_rows = self._released_rows, []
+        return step_ops(resize, forks, host_ops, state_ops, rows)
+
+    def on_results(self, results: list[JobResult]) -> None:
+        if self.host is not None:
+            self.host.on_results(results)
+
+    @property
+    def pending(self) -> bool:
+        """Memory will come free without any request finishing (host jobs in flight or queued)."""
+        return self.host is not None and self.host.memory_pending
+
+    # -- commit ---------------------------------------------------------------------------------
+    def commit_chunk(self, req: Req) -> None:
+        """Insert a running request's computed whole pages into the tree after a prefill chunk, so
+        siblings can match it while this request goes on, and move its lock down to the new end.
+        With states, prefixes enter the tree only with a state: at forks (``commit_fork``)."""
+        if self.states is not None or not self.caching:
+            return
+        computed, m = min(req.computed, len(req.prompt) + len(req.output)), req.cache_len
+        aligned = self.tree.aligned_len(computed)
+        if aligned <= m:
+            return
+        key = CacheKey(req.seq[:aligned], req.cache_salt)
+        self._lock_inserted(req, key, self.tree.insert(key, req.slots[:aligned]))
+        if self.host is not None:
+            self.host.cached(key)
+
+    def commit_fork(self, req: Req, fork: Fork) -> None:
+        """The step that computed ``fork`` is committed: put ``tokens[:pos]`` and the fork into the
+        tree and move ``req``'s lock down to it."""
+        if fork not in req.forks:  # released (finished, aborted, retracted) meanwhile: slot freed
+            return
+        req.forks.remove(fork)
+        assert self.states is not None and isinstance(self.tree, PrefixTree)
+        if fork.pos <= req.cache_len:  # already cached up to here (a deeper node is locked): surplus
+            self.states.pool.free(fork.slot)
+            return
+        key = CacheKey(req.seq[: fork.pos], req.cache_salt)
+        res = self.tree.insert_checkpoint(key, req.slots[: fork.pos], fork.slot)
+        self.states.counters.fork_inserted += res.state_taken
+        self._lock_inserted(req, key, res.cached_len)
+        if res.state_taken and self.host is not None:
+            self.host.cached(key)
+
+    def _lock_inserted(self, req: Req, key: CacheKey, cached: int) -> None:
+        """``req``'s ``key`` was just inserted (the tree held ``cached`` tokens of it before): move
+        the lock down to the key's end, switch to the tree's slots and free the duplicates
+        ``[cache_len, cached)`` (``req.row_dirty`` makes the batcher resend the worker's row)."""
+        n, m = len(key.tokens), req.cache_len
+        dup = req.slots[m:cached]
+        new = self.tree.match_prefix(key)
+        assert len(new.slots) == n, (len(new.slots), n)
+        self.tree.lock(new.node)
+        if req.lock is not None:
+            self.tree.unlock(req.lock)
+        req.lock, req.cache_len = new.node, n
+        if dup:
+            req.slots[:n] = new.slots
+            req.row_dirty = True
+            self.free_pages(dup)
+
+    # -- release --------------------------------------------------------------------------------
+    def release(self, req: Req) -> None:
+        """The request is done with its memory (finished, aborted or retracted): its computed whole
+        pages go to the tree, the rest is freed, and its row is released on the worker."""
+        self._cache_and_release(req)
+        if req.row is not None:
+            self.rows.free(req.row)
+            self._released_rows.append(ReleaseRow(req.row))
+            req.row = None
+
+    def _cache_and_release(self, req: Req) -> None:
+        # Only known tokens whose KV a planned step writes (a slot granted for a sample still in
+        # flight has no id yet; one granted in a plan that then retracted the request was never
+        # sent), and only whole pages; everything past that stays the request's to free. With
+        # states, the working state is donated when it sits exactly at the end of what is cached.
+        own, m = req.mamba_slot, req.cache_len
+        computed = min(req.planned_len, len(req.prompt) + len(req.output))
+        aligned = self.tree.aligned_len(computed)
+        donate = self.states is not None and own is not None and req.planned_len == aligned
+        to_free = req.slots[m:]
+        if aligned > m and self.caching:
+            key = CacheKey(req.seq[:aligned], req.cache_salt)
+            taken = False
+            if isinstance(self.tree, PrefixTree):
+                # Ownership of a donated state passes to the tree whether it keeps it or not.
+                res = self.tree.insert_checkpoint(key, req.slots[:aligned], own if donate else None)
+                cached, taken = res.cached_len, res.state_taken
+                if taken and self.states is not None:
+                    self.states.counters.donated += 1
+            else:
+                cached = self.tree.insert(key, req.slots[:aligned])
+            # [m, cached) duplicate what the tree already holds; [cached, aligned) now belong to it.
+            to_free = req.slots[m:cached] + req.slots[aligned:]
+            if self.host is not None and (self.states is None or taken):
+                self.host.cached(key)
+        else:
+            donate = False
+        if req.lock is not None:
+            self.tree.unlock(req.lock)
+        self.free_pages(to_free)
+        if self.states is not None:
+            self.states.release(req, donated=donate)
+        req.lock, req.slots, req.cache_len, req.planned_len = None, [], 0, 0
+
+    def forget(self, req: Req) -> None:
+        """The worker died with the request's memory: drop every reference without freeing."""
+        req.slots, req.cache_len, req.lock, req.row, req.planned_len = [], 0, None, None, 0
+        req.mamba_slot, req.forks, req.checkpoints, req.branch_hints = None, [], [], []
+        req.prefetch = None
+
+    # -- elastic pools --------------------------------------------------------------------------
+    def set_limits(self, kv_slots: int, states: int) -> None:
+        """Move the allocators' limits: grow at once, shrink lazily (see ``allocator.py``)."""
+        self.slots.resize(kv_slots)
+        if self.states is not None:
+            self.states.pool.resize(states)
+
+    def drain(self) -> None:
+        """Evict cached entries holding slots above a pending shrink's target (cheapest first)."""
+        while not self.slots.shrink_done and self.tree.evictable_size:
+            self.evicted += self.tree.evict(self.slots.shrink_pending)
+        st = self.states
+        while st is not None and st.tree is not None and not st.pool.shrink_done and st.tree.state_evictable:
+            st.counters.evicted += st.tree.evict_states(st.pool.shrink_pending)
+
+    def shrink_done(self) -> tuple[bool, bool]:
+        """(KV, states): no slot at or above the allocator's limit is held any more."""
+        return self.slots.shrink_done, self.states is None or self.states.pool.shrink_done
+
+    def live(self) -> tuple[int, int]:
+        """(KV slots, states) held by requests or locked in the tree: what a shrink cannot take."""
+        u = self.usage()
+        st = self.states
+        m_live = 0
+        if st is not None:
+            m_live = st.pool.size + st.pool.shrink_pending - st.pool.available
+            m_live -= st.tree.state_evictable if st.tree is not None else 0
+        return u.size - u.free - u.evictable, m_live
+
+    @property
+    def rows_free(self) -> int:
+        return self.rows.available
+
+    # -- accounting -----------------------------------------------------------------------------
+    def usage(self) -> Usage:
+        return Usage(self.size, self.slots.available, self.tree.evictable_size, self.tree.protected_size)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """For metrics, by the parts composed: ``state_slots`` (by owner) and ``state_events``
+        with a state track; ``host_pages`` (by state) and ``host_events`` with a host tier."""
+        out: dict[str, dict[str, int]] = {}
+        if self.states is not None:
+            out["state_slots"] = self.states.owners()
+            out["state_events"] = asdict(self.states.counters)
+        if self.host is not None:
+            out["host_pages"] = self.host.host_pages()
+            out["host_events"] = asdict(self.host.counters)
+        return out
+
+    def check_idle(self) -> None:
+        """With no request holding memory: every pool's books balance (raises AssertionError)."""
+        u = self.usage()
+        if u.free + u.evictable + u.protected != u.size:
+            raise AssertionError(f"KV accounting broken when idle: {u}")
+        if self.states is not None:
+            self.states.check_idle()
+        if self.host is not None:
+            self.host.check_idle()
