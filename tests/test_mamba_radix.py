@@ -529,3 +529,22 @@ class MambaCacheMachine(RuleBasedStateMachine):
 
 MambaCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
 test_mamba_cache_machine = MambaCacheMachine.TestCase
+
+
+def test_lfu_on_a_tree_with_states_keeps_the_most_hit_leaf() -> None:
+    """LFU is a policy of the one tree, with or without states: the leaf matched most goes last."""
+    kv, states = SlotAllocator(16), MambaSlotAllocator(4)
+    tree = PrefixTree(1, kv.free, states.free_many, eviction="lfu")
+    for toks in ([1, 2], [3, 4], [5, 6]):
+        slots, st = kv.alloc(2), states.alloc()
+        assert slots is not None and st is not None
+        tree.insert_checkpoint(CacheKey(toks), slots, st)
+    for _ in range(3):
+        assert tree.match(CacheKey([1, 2])).length == 2  # hot, though least recently inserted
+    assert tree.match(CacheKey([3, 4])).length == 2
+    assert tree.evict(2) == 2
+    assert tree.match(CacheKey([5, 6])).length == 0  # never hit: first to go
+    assert tree.match(CacheKey([1, 2])).length == 2 and tree.match(CacheKey([3, 4])).length == 2
+    assert tree.evict(2) == 2 and tree.match(CacheKey([3, 4])).length == 0
+    tree.sanity_check()
+

@@ -25,7 +25,7 @@ tier really served it (host: ``load_tokens`` grew by ``cached``; L3: ``prefetche
 ``cached`` / page and the worker wrote that many pages from the kvstore). Writes ``--out``
 (JSON) and prints a markdown table; progress goes to stderr. Exit status 1 when a check fails.
 
-A hybrid model (the worker's info says so; the loop then composes a state track and the index host tier) is measured the
+A hybrid model (the worker's info says so; the loop then composes a state track with the host tier) is measured the
 same way, its Mamba state at the end of the prefix travelling with the pages (host: one
 ``state_loads``; L3: one ``states_prefetched`` and one state written by the worker). Its JSON
 goes to ``docs/bench/hicache-hybrid.json`` unless ``--out`` says otherwise.
@@ -84,7 +84,7 @@ class Sample:
 
 @dataclass(frozen=True, slots=True)
 class HybridSample(Sample):
-    """A hybrid model's request: the Mamba state's counters too (``HybridHiCounters``' growth)."""
+    """A hybrid model's request: the Mamba state's counters too (the host tier's state counters' growth)."""
 
     state_loads: int  # states loaded from the host
     states_prefetched: int  # states prefetched from L3

@@ -1,6 +1,6 @@
 """Forcing and proving a tier for ``services.bench.hicache``: the flushes that empty and scribble
 over the device and host tiers, and the counters that say which tier served a request, for a dense
-worker (``HiMemory``) and a hybrid one (``HybridHiMemory``: KV pages *and* Mamba states).
+worker and a hybrid one (KV pages *and* Mamba states): one host tier design for both.
 
 A hybrid prefix is reusable only up to a checkpoint with a state; the scheduler checkpoints a
 prompt at its last whole page and at the last page a resend may match (its last token is always
@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from services.scheduler.loop import LoopConfig, SchedulerLoop
-from services.scheduler.memory.index_tier import IndexHostTier
-from services.scheduler.memory.tree_tier import TreeHostTier
+from services.scheduler.memory.host_tier import HostTier
 from services.scheduler.request import Event, Req
 from services.scheduler.worker_link import InProcessWorkerLink
 
@@ -43,48 +41,73 @@ class Counts(NamedTuple):
         return Counts(*(a - b for a, b in zip(self, before, strict=True)))
 
 
-class Tiers(ABC):
-    """The loop's hierarchical memory and the engine's pools, and the flushes that force a tier.
+class Tiers:
+    """The loop's memory (its host tier) and the engine's pools, and the flushes that force a tier.
 
     ``order`` is the sequence of requests one prompt gets; ``cached(tier, n)`` is what a request
-    of that tier must reuse of an ``n``-token prompt, and ``expect`` how the counters must grow."""
+    of that tier must reuse of an ``n``-token prompt, and ``expect`` how the counters must grow.
+    With a state pool (hybrid models) a cached tier also loads (or prefetches) the state at the
+    prefix's end."""
 
     order: tuple[Tier, ...] = TIERS
-    hybrid = False
 
     def __init__(self, loop: SchedulerLoop, task: asyncio.Task[None], engine: Engine) -> None:
         self.loop, self.task, self.engine = loop, task, engine
         assert engine.host is not None, "the worker needs a host pool"
         self.host = engine.host
+        b = loop.batcher
+        assert b is not None and isinstance(b.mem.host, HostTier), "a memory with a host tier"
+        self.mem, self.tier, self.tree = b.mem, b.mem.host, b.mem.host.tree
+        self.hybrid = b.mem.states is not None
+        assert not self.hybrid or (engine.mamba is not None and self.host.states is not None)
 
     @property
-    @abstractmethod
     def page(self) -> int:
         """Tokens per host / L3 page."""
+        return self.tier.tree_page
 
-    @abstractmethod
-    def counts(self) -> Counts: ...
+    def counts(self) -> Counts:
+        c, h = self.tier.counters, self.host
+        return Counts(c.load_tokens, c.prefetched_pages, h.pages_got, c.state_loads, c.states_prefetched,
+                      h.states_got)
 
     @property
-    @abstractmethod
     def inflight(self) -> int:
         """Backups, puts and prefetches sent and not yet acknowledged."""
+        return self.tier.inflight
 
-    @abstractmethod
     def quiet(self) -> bool:
         """No backup, put or prefetch in flight or queued."""
+        return self.tier.inflight == 0 and not self.mem.pending
 
-    @abstractmethod
     def flush_device(self) -> None:
         """Drop every device copy (write_through put each on the host already) and scribble over
         the device pools, so a prefix can only come back through a load."""
+        tree, mem = self.tree, self.mem
+        tree.evict(tree.evictable_size)
+        tree.evict_states(tree.state_evictable)
+        pool = mem.states.pool if mem.states is not None else None
+        if (tree.evictable_size or tree.state_evictable or tree.state_protected or mem.slots.available != mem.size
+                or (pool is not None and pool.available != pool.size)):
+            raise RuntimeError("device flush incomplete: a device page or state is still held")
+        kv, mamba = self.engine.kv, self.engine.mamba
+        states = (*mamba.conv, *mamba.ssm) if mamba is not None else ()
+        for t in (*kv.k, *kv.v, *states):
+            t.normal_()
 
-    @abstractmethod
     def flush_host(self) -> None:
         """``flush_device``, then drop every host entry and scribble over the host pools."""
+        self.flush_device()
+        self.tier.kv_host.evict(len(self.tier.kv_host))
+        self.tier.state_host.evict(len(self.tier.state_host))
+        if len(self.tier.kv_host) or len(self.tier.state_host):
+            raise RuntimeError("host flush incomplete: a host page or state is still held")
+        self.host.pool.pages.normal_()
+        if self.host.states is not None:
+            self.host.states.states.random_(0, 256)
 
-    @abstractmethod
-    def check_idle(self) -> None: ...
+    def check_idle(self) -> None:
+        self.mem.check_idle()
 
     def cached(self, tier: Tier, length: int) -> int:
         """Whole pages of the prompt less its last token (that token is always computed)."""
@@ -93,7 +116,10 @@ class Tiers(ABC):
     def expect(self, tier: Tier, cached: int) -> Counts:
         loaded = cached if tier in ("host", "l3") else 0
         fetched = cached // self.page if tier == "l3" else 0
-        return Counts(loaded, fetched, fetched)
+        if not self.hybrid:
+            return Counts(loaded, fetched, fetched)
+        one = int(tier == "l3")
+        return Counts(loaded, fetched, fetched, int(tier in ("host", "l3")), one, one)
 
     async def next_event(self, req: Req, timeout_s: float) -> Event:
         """``req``'s next event; raises when the loop died instead (its error) or after ``timeout_s``."""
@@ -127,106 +153,6 @@ class Tiers(ABC):
             await asyncio.sleep(0.01)
 
 
-class DenseTiers(Tiers):
-    def __init__(self, loop: SchedulerLoop, task: asyncio.Task[None], engine: Engine) -> None:
-        super().__init__(loop, task, engine)
-        assert loop.batcher is not None and isinstance(loop.batcher.mem.host, TreeHostTier), "a dense host tier"
-        self.mem, self.tier = loop.batcher.mem, loop.batcher.mem.host
-
-    @property
-    def page(self) -> int:
-        return self.tier.hi.page_size
-
-    def counts(self) -> Counts:
-        c = self.tier.counters
-        return Counts(c.load_tokens, c.prefetched_pages, self.host.pages_got)
-
-    @property
-    def inflight(self) -> int:
-        return self.tier.inflight
-
-    def quiet(self) -> bool:
-        return self.tier.inflight == 0 and not self.tier.hi.queued_writes
-
-    def flush_device(self) -> None:
-        hi = self.tier.hi
-        ev = hi.evict_device(hi.evictable_size)
-        if ev.pending or hi.evictable_size or self.mem.slots.available != self.mem.size:
-            raise RuntimeError("device flush incomplete: a device page is still held")
-        kv = self.engine.kv
-        for t in (*kv.k, *kv.v):
-            t.normal_()
-
-    def flush_host(self) -> None:
-        self.flush_device()
-        self.tier.hi.evict_host(self.tier.hi.host_evictable_size)
-        if self.tier.pages.available != self.tier.pages.num_pages:
-            raise RuntimeError("host flush incomplete: a host page is still held")
-        self.host.pool.pages.normal_()
-
-    def check_idle(self) -> None:
-        self.mem.check_idle()
-
-
-class HybridTiers(Tiers):
-    """Pages and Mamba states: a cached tier also loads (or prefetches) the state at the prefix's
-    end."""
-
-    hybrid = True
-
-    def __init__(self, loop: SchedulerLoop, task: asyncio.Task[None], engine: Engine) -> None:
-        super().__init__(loop, task, engine)
-        b = loop.batcher
-        assert b is not None and isinstance(b.mem.host, IndexHostTier), "a hybrid host tier"
-        assert b.mem.states is not None and engine.mamba is not None and self.host.states is not None
-        self.mem, self.tier, self.tree = b.mem, b.mem.host, b.mem.host.tree
-        self.mamba, self.host_states, self.pool = engine.mamba, self.host.states, b.mem.states.pool
-
-    @property
-    def page(self) -> int:
-        return self.tier.tree_page
-
-    def expect(self, tier: Tier, cached: int) -> Counts:
-        kv = super().expect(tier, cached)
-        one = int(tier == "l3")
-        return kv._replace(state_loads=int(tier in ("host", "l3")), states_prefetched=one, worker_l3_states=one)
-
-    def counts(self) -> Counts:
-        c, h = self.tier.counters, self.host
-        return Counts(c.load_tokens, c.prefetched_pages, h.pages_got, c.state_loads, c.states_prefetched,
-                      h.states_got)
-
-    @property
-    def inflight(self) -> int:
-        return self.tier.inflight
-
-    def quiet(self) -> bool:
-        return self.tier.inflight == 0 and not self.mem.pending
-
-    def flush_device(self) -> None:
-        tree, mem = self.tree, self.mem
-        tree.evict(tree.evictable_size)
-        tree.evict_states(tree.state_evictable)
-        if (tree.evictable_size or tree.state_evictable or tree.state_protected
-                or mem.slots.available != mem.size or self.pool.available != self.pool.size):
-            raise RuntimeError("device flush incomplete: a device page or state is still held")
-        kv = self.engine.kv
-        for t in (*kv.k, *kv.v, *self.mamba.conv, *self.mamba.ssm):
-            t.normal_()
-
-    def flush_host(self) -> None:
-        self.flush_device()
-        self.tier.kv_host.evict(len(self.tier.kv_host))
-        self.tier.state_host.evict(len(self.tier.state_host))
-        if len(self.tier.kv_host) or len(self.tier.state_host):
-            raise RuntimeError("host flush incomplete: a host page or state is still held")
-        self.host.pool.pages.normal_()
-        self.host_states.states.random_(0, 256)
-
-    def check_idle(self) -> None:
-        self.mem.check_idle()
-
-
 @asynccontextmanager
 async def serving(eng: Engine, cfg: LoopConfig) -> AsyncIterator[Tiers]:
     """A scheduler loop serving ``eng`` in this process, for as long as the block runs; the loop
@@ -237,7 +163,7 @@ async def serving(eng: Engine, cfg: LoopConfig) -> AsyncIterator[Tiers]:
     stop = asyncio.Event()
     task = asyncio.create_task(loop.run(stop))
     try:
-        yield (HybridTiers if link.info.hybrid else DenseTiers)(loop, task, eng)
+        yield Tiers(loop, task, eng)
     finally:
         stop.set()
         await asyncio.wait({task}, timeout=10.0)

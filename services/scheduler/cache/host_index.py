@@ -1,11 +1,11 @@
 """A host-tier index by key: which host page (or host state slot) holds which chained hash.
 
-The hierarchical cache of a hybrid model keeps its host (L2) tier as two of these, one over KV
-pages and one over Mamba states, beside the device's Mamba radix cache: a prefix is found on the
-host by walking its page hashes (``services.common.page_hash``) until the first miss, so no tree
-is needed. Entries are kept least recently used first; ``touch`` refreshes a run of pages so
-that its *first* page ends up most recent (a prefix's deeper pages are evicted before the pages
-they depend on).
+The host tier (``memory/host_tier.py``) keeps its host (L2) pool as two of these, one over KV
+pages and one over states, beside the device's prefix tree: a prefix is found on the host by
+walking its page hashes (``services.common.page_hash``) until the first miss, so no tree is
+needed. Entries are kept least recently used first; ``touch`` refreshes a run of pages so that its
+*first* page ends up most recent (a prefix's deeper pages are evicted before the pages they depend
+on). With ``lfu`` eviction takes the entries touched least often first (least recent on ties).
 
     reserve(n) ──▶ reserved (the caller's) ──add(key, i)──▶ entry ──evict──▶ free
                                          └──release(i)──▶ free       pin/unpin: never evicted
@@ -16,6 +16,7 @@ Accounting, checked by ``check``: ``available + evictable + protected + reserved
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -29,13 +30,15 @@ class HostEntry:
     index: int  # the host page or host state slot
     pins: int = 0  # jobs reading it (a load, an L3 put) or relying on it (a prefetch's prefix)
     l3: bool = False  # a put of it was acknowledged
+    hits: int = 0  # touches (LFU)
 
 
 class HostIndex:
     """Host pages (or host state slots) by key, LRU first; see the module docstring."""
 
-    def __init__(self, alloc: HostPageAllocator) -> None:
+    def __init__(self, alloc: HostPageAllocator, *, lfu: bool = False) -> None:
         self._alloc = alloc
+        self.lfu = lfu
         self._entries: OrderedDict[bytes, HostEntry] = OrderedDict()
         self._pinned = 0  # entries with pins > 0
         self.reserved = 0  # indexes handed out by reserve and not yet added or released
@@ -74,7 +77,9 @@ class HostIndex:
     def touch(self, keys: Sequence[bytes]) -> None:
         """Make these entries the most recent, ``keys[0]`` most of all (missing keys are skipped)."""
         for key in reversed(keys):
-            if key in self._entries:
+            e = self._entries.get(key)
+            if e is not None:
+                e.hits += 1
                 self._entries.move_to_end(key)
 
     # -- space ----------------------------------------------------------------------------------
@@ -95,7 +100,11 @@ class HostIndex:
 
     def evict(self, n: int) -> int:
         """Drop up to ``n`` unpinned entries, least recent first; returns how many went."""
-        victims = list(itertools.islice((k for k, e in self._entries.items() if not e.pins), n))
+        free = ((k, e) for k, e in self._entries.items() if not e.pins)
+        if self.lfu:  # fewest touches first; the entries' order (LRU first) breaks ties
+            victims = [k for _, _, k in heapq.nsmallest(n, ((e.hits, i, k) for i, (k, e) in enumerate(free)))]
+        else:
+            victims = [k for k, _ in itertools.islice(free, n)]
         for key in victims:
             self._alloc.free([self._entries.pop(key).index])
         self.evictions += len(victims)

@@ -60,6 +60,10 @@ from services.scheduler.cache.tree_util import as_array, child_key, common_prefi
 EvictionPolicy = Literal["lru", "lfu"]
 FreeStates = Callable[[list[int]], None]
 """Returns state slots to their allocator; the tree calls it for states it evicts or declines."""
+OnRemove = Callable[[str, "array[int]", int, list[int], "int | None"], None]
+"""Told of every evicted node before its slots are freed: (extra, tokens from the root through the
+node's end, where the node's own tokens start, its KV slots (empty when only its state goes), its
+state slot or None). The host tier's write_back copies them out."""
 
 
 class TreeNode(CacheHandle):
@@ -147,11 +151,13 @@ class PrefixTree(PrefixCache):
         self._state_evictable = self._state_protected = 0
         self._tick = 0  # logical clock: deterministic, never ties between operations
         self._detached_root = TreeNode(array("i"), [], None, "")  # the handle of a miss on a rootless extra
+        self.on_remove: OnRemove | None = None
 
     # -- queries --------------------------------------------------------------------------------
 
-    def match(self, key: CacheKey) -> TreeMatch:
-        """The longest usable prefix of `key` (whole pages; with states, up to the deepest state)."""
+    def match(self, key: CacheKey, *, touch: bool = True) -> TreeMatch:
+        """The longest usable prefix of `key` (whole pages; with states, up to the deepest state).
+        `touch=False` only looks: no recency, no hit counted (the tree may still split an edge)."""
         root = self._roots.get(key.extra)
         ps = self.page_size
         if root is None or len(key.tokens) < ps:
@@ -168,17 +174,19 @@ class PrefixTree(PrefixCache):
         served = node
         while self.has_states and served.parent is not None and served.state is None:
             served = served.parent
-        self._tick += 1
+        self._tick += touch
         slots: list[int] = []
         cur = served
         while cur.parent is not None:
-            cur.last_access = self._tick
-            cur.hits += 1
+            if touch:
+                cur.last_access = self._tick
+                cur.hits += 1
             slots[:0] = cur.value
             cur = cur.parent
         if served.parent is None:
             return TreeMatch([], served, None, pos)
-        served.state_access = self._tick
+        if touch:
+            served.state_access = self._tick
         return TreeMatch(slots, served, served.state, pos)
 
     def match_prefix(self, key: CacheKey) -> MatchResult:
@@ -198,6 +206,10 @@ class PrefixTree(PrefixCache):
             out[:0] = node.value
             node = node.parent
         return out
+
+    def hits(self, handle: CacheHandle | None) -> int:
+        """Matches that served the node `handle` names (0 for a root or None)."""
+        return handle.hits if isinstance(handle, TreeNode) else 0
 
     @property
     def evictable_size(self) -> int:
@@ -337,6 +349,8 @@ class PrefixTree(PrefixCache):
             node = cands[i]
             if node.children:
                 assert node.state is not None
+                if self.on_remove is not None:
+                    self.on_remove(node.extra, _path_tokens(node), node.depth, [], node.state)
                 states.append(node.state)
                 node.state = None
                 self._stateful.discard(node)
@@ -406,9 +420,12 @@ class PrefixTree(PrefixCache):
         while True:
             parent = node.parent
             assert parent is not None and not node.children and node.lock_ref == 0
-            if self._on_event is not None:
+            if self._on_event is not None or self.on_remove is not None:
                 path = _path_tokens(node)
-                self._on_event(CacheEvent("evict", node.extra, len(path) - len(node.key), path))
+                if self._on_event is not None:
+                    self._on_event(CacheEvent("evict", node.extra, len(path) - len(node.key), path))
+                if self.on_remove is not None:
+                    self.on_remove(node.extra, path, len(path) - len(node.key), node.value, node.state)
             kv.extend(node.value)
             if node.state is not None:
                 states.append(node.state)

@@ -199,9 +199,9 @@ class Memory:
     def take_ops(self, resize: list[CacheOp]) -> list[CacheOp]:
         """The cache ops of the step being planned, ``resize`` (elastic pools) included."""
         forks, state_ops = self.states.take() if self.states is not None else ([], [])
-        host_ops = self.host.take_ops() if self.host is not None else []
+        evicted, host_ops = self.host.take_ops() if self.host is not None else ([], [])
         rows, self._released_rows = self._released_rows, []
-        return step_ops(resize, forks, host_ops, state_ops, rows)
+        return step_ops(evicted, resize, forks, host_ops, state_ops, rows)
 
     def on_results(self, results: list[JobResult]) -> None:
         if self.host is not None:
@@ -242,6 +242,8 @@ class Memory:
         res = self.tree.insert_checkpoint(key, req.slots[: fork.pos], fork.slot)
         self.states.counters.fork_inserted += res.state_taken
         self._lock_inserted(req, key, res.cached_len)
+        if res.state_taken:
+            self.states.hold_until_sent(req, fork)
         if res.state_taken and self.host is not None:
             self.host.cached(key)
 

@@ -3,7 +3,8 @@
     worker has           composed
     (always)             slots, rows, the prefix tree (NoCache with --cache none)
     a state pool         + StateTrack; the tree carries states
-    a host pool          + a host tier: IndexHostTier with states, TreeHostTier without
+    a host pool          + HostTier (host pages, and host states with a state track); the tree is
+                         then paged in host pages
 """
 
 from __future__ import annotations
@@ -14,14 +15,11 @@ from services.common.page_hash import HashNamespace
 from services.common.step import WorkerInfo
 from services.scheduler.allocator import RowAllocator, SlotAllocator
 from services.scheduler.cache.base import NoCache, PrefixCache
-from services.scheduler.cache.hiradix import HiRadixCache
 from services.scheduler.cache.tree import EvictionPolicy, PrefixTree
-from services.scheduler.host_alloc import HostPageAllocator
 from services.scheduler.memory.core import Memory
 from services.scheduler.memory.host import HiConfig
-from services.scheduler.memory.index_tier import IndexHostTier
+from services.scheduler.memory.host_tier import HostTier
 from services.scheduler.memory.states import StateTrack
-from services.scheduler.memory.tree_tier import TreeHostTier
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,32 +37,20 @@ def build_memory(info: WorkerInfo, cfg: MemoryConfig) -> Memory:
     """The memory for ``info``'s worker: device parts, then the host tier if it has a host pool."""
     caching = cfg.cache == "radix"
     host = bool(info.host_pages) and caching and (not info.hybrid or bool(info.host_states))
-    # With a host tier the tree is paged in host pages: every node (and checkpoint) is whole ones.
-    page = info.host_page_tokens if host else info.page_size
     if info.hybrid and info.num_mamba_slots < 1 and info.num_rows:
         raise ValueError("no Mamba state slot: a running request needs one (fewer than rows is fine: "
                          "admission waits for a free state)")
-    if not host:
-        return device_memory(info.num_slots, info.num_rows, info.page_size, cfg,
-                             num_states=info.num_mamba_slots if info.hybrid else 0)
-    if page < 1 or page % info.page_size:
-        raise ValueError(f"host_page_tokens ({page}) must be a multiple of page_size ({info.page_size})")
-    ns = HashNamespace(info.fingerprint, info.kv_layout)
-    if not info.hybrid:
-        slots = SlotAllocator(info.num_slots, info.page_size)
-        pages = HostPageAllocator(info.host_pages)
-        hi = HiRadixCache(page, slots.free, pages, ns, write_policy=cfg.hicache.write_policy,
-                          eviction=_eviction(cfg), l3=info.l3, max_inflight_jobs=cfg.hicache.max_inflight_jobs)
-        mem = Memory(slots, RowAllocator(info.num_rows), hi)
-        mem.host = TreeHostTier(hi, pages, cfg.hicache, mem.alloc, mem.free_pages)
-        return mem
-    mem = device_memory(info.num_slots, info.num_rows, info.page_size, cfg, num_states=info.num_mamba_slots,
-                        tree_page=page)
-    assert isinstance(mem.tree, PrefixTree) and mem.states is not None
-    mem.host = IndexHostTier(
-        mem.tree, mem.states, host_pages=info.host_pages, host_states=info.host_states, namespace=ns,
-        state_layout=info.state_layout, l3=info.l3, cfg=cfg.hicache, alloc=mem.alloc, free_pages=mem.free_pages,
-    )
+    num_states = info.num_mamba_slots if info.hybrid else 0
+    # With a host tier the tree is paged in host pages: every node (and checkpoint) is whole ones.
+    tree_page = info.host_page_tokens if host else 0
+    mem = device_memory(info.num_slots, info.num_rows, info.page_size, cfg, num_states=num_states, tree_page=tree_page)
+    if host:
+        assert isinstance(mem.tree, PrefixTree)
+        mem.host = HostTier(
+            mem.tree, mem.states, host_pages=info.host_pages, host_states=info.host_states,
+            namespace=HashNamespace(info.fingerprint, info.kv_layout), state_layout=info.state_layout, l3=info.l3,
+            cfg=cfg.hicache, alloc=mem.alloc, free_pages=mem.free_pages,
+        )
     return mem
 
 

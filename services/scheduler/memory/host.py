@@ -85,8 +85,9 @@ class HostTier(Protocol):
         slots freed now."""
         ...
 
-    def take_ops(self) -> list[CacheOp]:
-        """The host and L3 ops for the step being planned."""
+    def take_ops(self) -> tuple[list[CacheOp], list[CacheOp]]:
+        """The host and L3 ops for the step being planned: (copies of what was just evicted, to
+        run first in the step; the rest)."""
         ...
 
     def on_results(self, results: list[JobResult]) -> None:

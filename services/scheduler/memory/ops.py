@@ -5,6 +5,9 @@ and forward runs in step order. That order is what keeps the pools correct witho
 worker: an op that reads or overwrites a slot is always placed after the op or forward that
 produced what it must see, and before the first one that may overwrite it.
 
+    0. evicted copies     write_back: device pages and states the tree evicted while this step was
+                          planned are copied to the host before anything can overwrite them
+                          (a load, a copy, the forward) or release them (a shrink)
     1. pool resizes       later ops and this step's inputs may use a grown pool (a shrink is only
                           sent once nothing above the new size is held, so nothing below reads it)
     2. fork copies        working state -> fork, planned with the *previous* step: that step's
@@ -27,6 +30,7 @@ from services.common.step import CacheOp
 
 
 def step_ops(
+    evicted: Sequence[CacheOp],
     resize: Sequence[CacheOp],
     forks: Sequence[CacheOp],
     host: Sequence[CacheOp],
@@ -34,4 +38,4 @@ def step_ops(
     rows: Sequence[CacheOp],
 ) -> list[CacheOp]:
     """One step's ops in the order the module docstring explains."""
-    return [*resize, *forks, *host, *states, *rows]
+    return [*evicted, *resize, *forks, *host, *states, *rows]

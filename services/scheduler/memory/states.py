@@ -26,6 +26,7 @@ import bisect
 from dataclasses import dataclass
 
 from services.common.step import CacheOp, MambaCopy, MambaReset
+from services.scheduler.cache.base import CacheHandle
 from services.scheduler.cache.mamba_policy import checkpoint_positions
 from services.scheduler.cache.tree import PrefixTree
 from services.scheduler.mamba_alloc import MambaSlotAllocator
@@ -53,6 +54,9 @@ class StateTrack:
         self.checkpoint_every = checkpoint_every
         self.ops: list[CacheOp] = []  # resets and copy-on-writes of the step being planned
         self.head: list[MambaCopy] = []  # forks: run first in the step after the one planned
+        # Tree nodes whose state is a fork not yet copied (its copy waits in ``head``): locked, so
+        # nothing reads (backs up) or evicts the slot before the copy is on its way.
+        self.unsent: list[CacheHandle] = []
         self.counters = StateCounters()
 
     # -- admission ------------------------------------------------------------------------------
@@ -135,7 +139,18 @@ class StateTrack:
         """(forks planned in the previous step, this plan's resets and copies), both emptied."""
         head, ops = self.head, self.ops
         self.head, self.ops = [], []
+        if self.tree is not None:
+            for node in self.unsent:
+                self.tree.unlock(node)
+        self.unsent = []
         return head, ops
+
+    def hold_until_sent(self, req: Req, fork: Fork) -> None:
+        """``fork`` just entered the tree at ``req.lock``: if its copy has not been handed out
+        yet, keep the node locked until it is (a write-back eviction would read it too early)."""
+        if self.tree is not None and req.mamba_slot is not None and MambaCopy(req.mamba_slot, fork.slot) in self.head:
+            self.tree.lock(req.lock)
+            self.unsent.append(req.lock)
 
     @property
     def has_ops(self) -> bool:

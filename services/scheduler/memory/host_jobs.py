@@ -1,4 +1,4 @@
-"""The jobs of a hybrid model's host and L3 tiers (see ``memory/index_tier.py``): a *group* is one
+"""The jobs of the host and L3 tiers (see ``memory/host_tier.py``): a *group* is one
 backup, put or prefetch — a pages op and / or a state op, acknowledged separately by the worker
 and finished when both are. Pure: ``group_ops`` turns a group into step ops, ``land`` applies its
 acknowledgements to the host indexes."""

@@ -1,0 +1,389 @@
+"""The host tier, one design for every model kind: KV pages (and, for models with recurrent layers,
+states) in hash-keyed host indexes beside the device's prefix tree, and the kvstore (L3) behind.
+
+Keys. The tree is paged in host pages, so every node (and checkpoint) is whole ones. A page is
+keyed by its chained hash ``h_i`` (``services.common.page_hash``); the state right after page ``i``
+by ``state_key(h_i)``. On the host (L2) each kind has a ``HostIndex``; in L3 they are plain kvstore
+keys. A prefix is found on the host by walking its hashes until the first miss: no second tree.
+
+Flows (each op is acknowledged by the worker in ``StepResult.jobs``; a *group* is the one or two
+ops, pages and state, of one backup / put / prefetch, finished when all its ops are):
+
+- **admission** (``extend_match``): after the device match (``n`` tokens; with states, KV reach
+  ``d >= n`` through tombstones) the host run of pages from ``d`` is found; the prefix is extended
+  to its end (with states: to the deepest host state ``q`` whose pages are all local). Pages
+  ``[d, q)`` are loaded into new slots (``HostLoad``), the state into a new state slot
+  (``StateLoad``), the prefix is inserted into the device tree, locked and served like a device
+  hit. Loads are acknowledged when planned (the step stream runs them before any reader, ``ops.py``);
+  the host entries they read stay pinned until the worker's acknowledgement.
+- **writes**, by the write policy: ``write_through`` backs a prefix up when it enters the tree
+  (with states: when a state does, with the pages before it the host lacks); ``write_through_selective``
+  when a match hits it a second time; ``write_back`` only when the device evicts it: the tree hands
+  over each node it removes, its pages and state are copied to the host by ops that go *first* in
+  the step (before anything can overwrite or release the slots just freed). A backed-up prefix is
+  locked on the device until acknowledged (write-back: its slots are free but nothing runs before
+  the copy). With L3, an ``L3Put`` of what a backup added follows its acknowledgement.
+- **L3 prefetch** (``hold``): ``Req.l3_pages`` is the L3 hit in pages (with states: the deepest
+  stored state with every page before it, ``l3_lookup``). When it exceeds the local reach by
+  ``prefetch_threshold`` pages, the missing pages (and the state) are fetched into reserved host
+  pages, the host pages the fetch continues are pinned, and the request waits as the stop policy
+  says. The leading pages that arrived join the host index (the state too when every page did).
+
+Groups in flight plus backups queued are bounded by ``max_inflight_jobs``; beyond it a backup, put
+or prefetch is skipped and counted (``refused``). Host eviction is LRU or LFU (the tree's policy).
+Invariant when idle: ``available + evictable + protected + reserved == size`` per host index.
+"""
+
+from __future__ import annotations
+
+import itertools
+from array import array
+from collections.abc import Callable
+
+from services.common.page_hash import HashNamespace, page_hashes, state_key
+from services.common.step import CacheOp, HostLoad, JobResult, StateLoad
+from services.scheduler.cache.base import CacheHandle, CacheKey
+from services.scheduler.cache.hiradix_policy import PrefetchTracker, should_prefetch
+from services.scheduler.cache.host_index import HostIndex
+from services.scheduler.cache.tree import PrefixTree
+from services.scheduler.host_alloc import HostPageAllocator
+from services.scheduler.memory.host import HiConfig, HiCounters, match_key, wait_for_prefetch
+from services.scheduler.memory.host_jobs import Group, group_ops, land
+from services.scheduler.memory.states import StateTrack
+from services.scheduler.request import Req
+
+
+class HostTier:
+    def __init__(
+        self, tree: PrefixTree, states: StateTrack | None, *, host_pages: int, host_states: int,
+        namespace: HashNamespace, state_layout: str, l3: bool, cfg: HiConfig,
+        alloc: Callable[[int], list[int] | None], free_pages: Callable[[list[int]], None],
+    ) -> None:
+        """``alloc`` / ``free_pages``: ``Memory``'s (slots for loads, evicting when short)."""
+        if host_pages < 1 or (states is not None and host_states < 1):
+            raise ValueError(f"a host tier needs host pages (and host states with states), got {host_pages} / "
+                             f"{host_states}")
+        if states is not None and not state_layout:
+            raise ValueError("state_layout must be non-empty (it is part of every state key)")
+        if namespace.cache_salt:
+            raise ValueError("namespace.cache_salt must be empty: each extra key salts its own chain")
+        self.tree, self.states, self.cfg = tree, states, cfg
+        self.tree_page = tree.page_size
+        self._alloc, self._free_pages = alloc, free_pages
+        lfu = tree.eviction == "lfu"
+        self.kv_host = HostIndex(HostPageAllocator(host_pages), lfu=lfu)
+        self.state_host = HostIndex(HostPageAllocator(host_states if states is not None else 0), lfu=lfu)
+        self.namespace, self.state_layout, self.l3 = namespace, state_layout, l3
+        self.tier_ops: list[CacheOp] = []  # loads and prefetches planned since the last step
+        self.first_ops: list[CacheOp] = []  # write-back copies of what this plan evicted
+        self._backlog: list[tuple[CacheHandle, CacheKey, int | None]] = []  # (locked node, key, state slot)
+        self._puts: list[tuple[list[bytes], bytes | None]] = []  # acked backups to put to L3
+        self._groups: dict[int, Group] = {}  # job id -> its group
+        self._loads: dict[int, tuple[list[bytes], list[bytes]]] = {}  # load job id -> pinned keys
+        self._busy = 0  # groups in flight (bounded by cfg.max_inflight_jobs with the backlog)
+        self._incoming: set[bytes] = set()  # keys a backup is writing to the host
+        self._ids = itertools.count(1)
+        self._ns: dict[str, HashNamespace] = {}
+        self.counters = HiCounters()
+        if cfg.write_policy == "write_back":
+            tree.on_remove = self._evicted
+
+    # -- keys -----------------------------------------------------------------------------------
+    def _hashes(self, key: CacheKey) -> list[bytes]:
+        ns = self._ns.get(key.extra)
+        if ns is None:
+            base = self.namespace
+            ns = self._ns[key.extra] = HashNamespace(base.model_fingerprint, base.layout, cache_salt=key.extra)
+        return page_hashes(key.tokens, self.tree_page, ns)
+
+    def _skey(self, page_hash: bytes) -> bytes:
+        return state_key(page_hash, self.state_layout)
+
+    def _reach(self, keys: list[bytes], n: int, d: int) -> tuple[int, int]:
+        """``(e, q)`` in pages: the end of the host's run of pages from the device's KV reach ``d``,
+        and how far a load can serve past the device's ``n`` (without states: to ``e``; with them:
+        the deepest host state whose pages are all local), or 0."""
+        ps = self.tree_page
+        e = self.kv_host.run(keys, d // ps)
+        if self.states is None:
+            return e, e if e * ps > n else 0
+        for q in range(max(d // ps, e), n // ps, -1):
+            if self._skey(keys[q - 1]) in self.state_host:
+                return e, q
+        return e, 0
+
+    def _kv_reach(self, key: CacheKey, n: int) -> int:
+        return len(self.tree.kv_path(key)) if self.states is not None else n
+
+    # -- admission ------------------------------------------------------------------------------
+    def extend_match(self, req: Req, key: CacheKey, n: int) -> int:
+        if n and self.cfg.write_policy == "write_through_selective" and self.tree.hits(req.lock) >= 2:
+            self._want(CacheKey(key.tokens[:n], key.extra))
+        keys = self._hashes(key)
+        _, q = self._reach(keys, n, self._kv_reach(key, n))
+        return (self._load(req, key, keys, q) or n) if q else n
+
+    def prefix_len(self, key: CacheKey) -> int:
+        n = self.tree.match(key, touch=False).length
+        _, q = self._reach(self._hashes(key), n, self._kv_reach(key, n))
+        return max(n, q * self.tree_page)
+
+    def _load(self, req: Req, key: CacheKey, keys: list[bytes], q: int) -> int:
+        """Bring pages ``[d, q)`` (and the state after page ``q``) from the host, insert them into
+        the device tree and serve the request from there; 0 when there is no room."""
+        ps, n, end = self.tree_page, req.cache_len, q * self.tree_page
+        skey = self._skey(keys[q - 1]) if self.states is not None else None
+        pins = self.kv_host.pin(keys[:q])  # making room below must not drop what this load reads
+        spins = self.state_host.pin([skey]) if skey is not None else []
+        state = self.states.alloc() if self.states is not None else None
+        got = self._alloc(end - n) if end > n and (state is not None or self.states is None) else []
+        dev = self.tree.kv_path(key)[:end] if self.states is not None else req.slots[:n]
+        d = len(dev)
+        if got is None or (self.states is not None and state is None) or self.kv_host.run(keys, d // ps) < q:
+            self._unpin(pins, spins)
+            if got:
+                self._free_pages(got)
+            if state is not None and self.states is not None:
+                self.states.pool.free(state)
+            return 0
+        new, spare = got[: end - d], got[end - d :]
+        if spare:
+            self._free_pages(spare)
+        job = next(self._ids)
+        if new:
+            host_pages = tuple(self.kv_host.get(k).index for k in keys[d // ps : q])  # type: ignore[union-attr]
+            self.tier_ops.append(HostLoad(job, host_pages, tuple(new)))
+        if state is not None and skey is not None:
+            sentry = self.state_host.get(skey)
+            assert sentry is not None
+            self.tier_ops.append(StateLoad(job, (sentry.index,), (state,)))
+            self.state_host.touch([skey])
+            self.counters.state_loads += 1
+        self._loads[job] = (pins, spins)
+        self.kv_host.touch(keys[:q])
+        pkey = CacheKey(key.tokens[:end], key.extra)
+        res = self.tree.insert_checkpoint(pkey, dev + new, state)
+        assert res.cached_len == d, (res.cached_len, d)
+        m = self.tree.match(pkey)
+        assert len(m.slots) == end
+        self.tree.lock(m.node)
+        if req.lock is not None:
+            self.tree.unlock(req.lock)
+        req.lock, req.slots, req.matched_state = m.node, list(m.slots), m.state
+        req.branch_len = max(req.branch_len, end)
+        self.counters.load_tokens += len(new)
+        return end
+
+    def hold(self, req: Req) -> bool:
+        return wait_for_prefetch(req, self._start_prefetch)
+
+    def _start_prefetch(self, req: Req, now: float) -> PrefetchTracker | None:
+        if not self.l3 or req.l3_pages <= 0:
+            return None
+        ps = self.tree_page
+        key = match_key(req)
+        keys = self._hashes(key)
+        top = min(req.l3_pages, len(keys))
+        n = self.tree.match(key, touch=False).length
+        d = self._kv_reach(key, n)
+        e, q = self._reach(keys, n, d)
+        local = max(n // ps, q) if self.states is not None else max(n // ps, e)
+        if not should_prefetch(top, local, self.cfg.prefetch_threshold):
+            return None
+        start = min(max(d // ps, e), top)
+        if self._full() or (pages := self.kv_host.reserve(top - start)) is None:
+            self.counters.refused += 1
+            return None
+        skey, hs = None, None
+        if self.states is not None:
+            got = self.state_host.reserve(1)
+            if got is None:
+                self.kv_host.release(pages)
+                self.counters.refused += 1
+                return None
+            skey, hs = self._skey(keys[top - 1]), got[0]
+        g = Group("prefetch", keys[start:top], pages, skey, hs)
+        g.pins = self.kv_host.pin(keys[d // ps : start])
+        self._send(g, self.tier_ops, get=True)
+        cfg = self.cfg
+        g.tracker = PrefetchTracker(len(pages) + (hs is not None), cfg.prefetch_policy, now=now,
+                                    timeout_s=cfg.prefetch_timeout_s, release=lambda _: None)
+        g.tracker.issue()
+        req.prefetch = g.tracker
+        self.counters.prefetch_pages += len(pages)
+        return g.tracker
+
+    # -- writes ---------------------------------------------------------------------------------
+    def cached(self, key: CacheKey) -> None:
+        """``key`` (and, with states, the state after it) just entered the tree."""
+        if self.cfg.write_policy == "write_through":
+            self._want(key)
+
+    def _want(self, key: CacheKey) -> None:
+        """Back ``key``'s pages (and the state at its end) up with the next step."""
+        m = self.tree.match(key, touch=False)
+        if m.length != len(key.tokens) or (self.states is not None and m.state is None):
+            return
+        if self._full():
+            self.counters.refused += 1
+            return
+        self.tree.lock(m.node)
+        self._backlog.append((m.node, key, m.state))
+
+    def _evicted(self, extra: str, tokens: array[int], start: int, slots: list[int], state: int | None) -> None:
+        """write_back: the tree removes ``tokens[start:]`` (its ``slots``) and the state after it:
+        copy what the host lacks before the slots can be reused (``first_ops``)."""
+        ps = self.tree_page
+        keys = self._hashes(CacheKey(tokens, extra))
+        have = {i for i in range(start // ps, len(keys)) if keys[i] in self.kv_host or keys[i] in self._incoming}
+        missing = [i for i in range(start // ps, len(keys)) if i not in have] if slots else []
+        skey = self._skey(keys[-1]) if state is not None and keys else None
+        if skey is not None and (skey in self.state_host or skey in self._incoming):
+            skey = None
+        if missing or skey is not None:
+            dev = tuple(s for i in missing for s in slots[(i * ps - start) : (i + 1) * ps - start])
+            self._backup(keys, missing, skey, dev, state, self.first_ops, node=None)
+
+    def _backup(self, keys: list[bytes], missing: list[int], skey: bytes | None, dev: tuple[int, ...],
+                state: int | None, ops: list[CacheOp], node: CacheHandle | None) -> bool:
+        """Reserve host room for pages ``missing`` (device ``dev``) and the state, and send."""
+        if self._full() and node is None:
+            self.counters.refused += 1
+            return False
+        pages = self.kv_host.reserve(len(missing))
+        hs = self.state_host.reserve(1) if skey is not None and pages is not None else []
+        if pages is None or hs is None:  # no host room that is not pinned
+            if pages:
+                self.kv_host.release(pages)
+            self.counters.refused += 1
+            return False
+        g = Group("backup", [keys[i] for i in missing], pages, skey if hs else None, hs[0] if hs else None)
+        g.node = node
+        self._incoming.update(g.keys)
+        if g.skey is not None:
+            self._incoming.add(g.skey)
+        self._send(g, ops, backup_slots=(dev, state if state is not None else -1))
+        return True
+
+    def _start_backup(self, node: CacheHandle, key: CacheKey, state: int | None, ops: list[CacheOp]) -> None:
+        ps = self.tree_page
+        keys = self._hashes(key)
+        skey = self._skey(keys[-1]) if state is not None else None
+        missing = [i for i, k in enumerate(keys) if k not in self.kv_host and k not in self._incoming]
+        if skey is not None and (skey in self.state_host or skey in self._incoming):
+            skey = None
+        slots = self.tree.kv_path(key)
+        assert len(slots) == len(key.tokens), "a locked node keeps its path"
+        dev = tuple(s for i in missing for s in slots[i * ps : (i + 1) * ps])
+        if not (missing or skey is not None) or not self._backup(keys, missing, skey, dev, state, ops, node):
+            self.tree.unlock(node)  # the host has it all or is getting it, or there is no room
+
+    def _start_put(self, keys: list[bytes], skey: bytes | None, ops: list[CacheOp]) -> None:
+        keys = [k for k in keys if (e := self.kv_host.get(k)) is not None and not e.l3]
+        se = self.state_host.get(skey) if skey is not None else None
+        if se is not None and se.l3:
+            se = None
+        if not keys and se is None:
+            return
+        if self._full():
+            self.counters.refused += 1
+            return
+        g = Group("put", keys, [self.kv_host.get(k).index for k in keys],  # type: ignore[union-attr]
+                  skey if se is not None else None, se.index if se is not None else None)
+        g.pins = self.kv_host.pin(keys)
+        g.spins = self.state_host.pin([skey]) if se is not None and skey is not None else []
+        self._send(g, ops)
+
+    def _full(self) -> bool:
+        return self._busy + len(self._backlog) >= self.cfg.max_inflight_jobs
+
+    def _send(self, g: Group, ops: list[CacheOp], *, get: bool = False,
+              backup_slots: tuple[tuple[int, ...], int] | None = None) -> None:
+        """Put a group's ops into ``ops`` and remember its job ids."""
+        ops.extend(group_ops(g, self._ids, get=get, backup_slots=backup_slots))
+        for job in (g.kv_job, g.state_job):
+            if job:
+                self._groups[job] = g
+        self._busy += 1
+
+    # -- the step stream ------------------------------------------------------------------------
+    def evict_device(self, n: int) -> int:
+        return self.tree.evict(n)  # write_back: the tree hands each removed node to _evicted
+
+    def take_ops(self) -> tuple[list[CacheOp], list[CacheOp]]:
+        """(write-back copies of what was evicted: first in the step; loads and prefetches planned
+        so far, then the backups and puts due now)."""
+        first, self.first_ops = self.first_ops, []
+        ops, self.tier_ops = self.tier_ops, []
+        backlog, self._backlog = self._backlog, []
+        for node, key, state in backlog:
+            self._start_backup(node, key, state, ops)
+        puts, self._puts = self._puts, []
+        for keys, skey in puts:
+            self._start_put(keys, skey, ops)
+        return first, ops
+
+    def on_results(self, results: list[JobResult]) -> None:
+        for r in results:
+            load = self._loads.pop(r.job_id, None)
+            if load is not None:
+                self._unpin(*load)  # loads were acknowledged when planned; their sources are read now
+                continue
+            g = self._groups.pop(r.job_id, None)
+            if g is None:
+                continue
+            if not r.ok:
+                self.counters.failed_jobs += 1
+            if r.job_id == g.kv_job:
+                g.kv_done = min(r.pages, len(g.pages)) if g.kind == "prefetch" else (len(g.pages) if r.ok else 0)
+            else:
+                g.state_ok = r.ok
+            g.waiting -= 1
+            if not g.waiting:
+                self._finish(g)
+
+    def _unpin(self, pins: list[bytes], spins: list[bytes]) -> None:
+        self.kv_host.unpin(pins)
+        self.state_host.unpin(spins)
+
+    def _finish(self, g: Group) -> None:
+        self._busy -= 1
+        got, state_ok = land(g, self.kv_host, self.state_host)
+        c = self.counters
+        if g.kind == "put":
+            c.put_pages += got
+            c.state_puts += state_ok
+        elif g.kind == "backup":
+            self._incoming.difference_update(g.keys)
+            self._incoming.discard(g.skey or b"")
+            if g.node is not None:
+                self.tree.unlock(g.node)
+            c.backup_pages += got
+            c.state_backups += state_ok
+            if self.l3 and (got or state_ok):
+                self._puts.append((g.keys[:got], g.skey if state_ok else None))
+        elif g.kind == "prefetch":
+            c.prefetched_pages += got
+            c.states_prefetched += state_ok
+            assert g.tracker is not None
+            g.tracker.on_done(got + state_ok)
+
+    @property
+    def memory_pending(self) -> bool:
+        """Backups hold device nodes until acknowledged; loads, prefetches and puts are on their way."""
+        return bool(self._groups or self._loads or self.tier_ops or self.first_ops or self._backlog or self._puts)
+
+    @property
+    def inflight(self) -> int:
+        """Backups, puts and prefetches sent and not yet wholly acknowledged."""
+        return self._busy
+
+    # -- accounting -----------------------------------------------------------------------------
+    def host_pages(self) -> dict[str, int]:
+        """Host KV pages by state (host states are counted in the events)."""
+        h = self.kv_host
+        return {"free": h.size - len(h) - h.reserved, "evictable": h.evictable, "protected": h.protected}
+
+    def check_idle(self) -> None:
+        self.kv_host.check()
+        self.state_host.check()
