@@ -16,9 +16,9 @@ import timeit
 from array import array
 from collections.abc import Callable
 
-from services.scheduler.allocator import SlotAllocator
-from services.scheduler.cache.base import CacheKey
-from services.scheduler.cache.tree import PrefixTree
+from services.scheduler.memory.allocator import SlotAllocator
+from services.scheduler.memory.base import CacheKey
+from services.scheduler.memory.tree import PrefixTree
 
 
 def _best_us(fn: Callable[[], object], number: int, rounds: int = 5) -> float:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.allocator import DoubleFreeError, RowAllocator, SlotAllocator
+from services.scheduler.memory.allocator import DoubleFreeError, RowAllocator, SlotAllocator
 
 
 def test_alloc_and_free_round_trip() -> None:

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.allocator import DoubleFreeError, SlotAllocator
-from services.scheduler.mamba_alloc import MambaSlotAllocator
+from services.scheduler.memory.allocator import DoubleFreeError, SlotAllocator
+from services.scheduler.memory.state_alloc import MambaSlotAllocator
 
 # (op, argument): alloc n pages / free the i-th held allocation / resize to n pages.
 OPS = st.lists(

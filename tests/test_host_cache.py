@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.scheduler.host_alloc import HostDoubleFreeError, HostPageAllocator
+from services.scheduler.memory.host_alloc import HostDoubleFreeError, HostPageAllocator
 from services.worker.host_cache import HostPool
 from services.worker.pools import KVPool
 

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.cache.host_index import HostIndex
-from services.scheduler.host_alloc import HostPageAllocator
 from services.scheduler.l3_lookup import usable_pages
+from services.scheduler.memory.host_alloc import HostPageAllocator
+from services.scheduler.memory.host_index import HostIndex
 
 
 def _key(i: int) -> bytes:

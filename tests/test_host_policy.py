@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.cache.hiradix_policy import DoubleAckError, PrefetchTracker, StopPolicy, should_prefetch
+from services.scheduler.memory.host_policy import DoubleAckError, PrefetchTracker, StopPolicy, should_prefetch
 
 
 def test_should_prefetch_needs_a_gain_of_threshold_pages() -> None:

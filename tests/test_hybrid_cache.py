@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from services.scheduler.cache.tree import PrefixTree, TreeNode
 from services.scheduler.loop import LoopConfig, SchedulerLoop
 from services.scheduler.memory import Memory
 from services.scheduler.memory.states import StateCounters
+from services.scheduler.memory.tree import PrefixTree, TreeNode
 from tests import sched_harness as h
 from tests.reference import hf_greedy
 

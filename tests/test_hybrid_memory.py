@@ -19,9 +19,9 @@ import pytest
 from services.common.step import GREEDY, MambaCopy, MambaReset, ReleaseRow, StepRequest
 from services.common.validation import Generation
 from services.scheduler.batcher import Batcher, BatchLimits, Plan
-from services.scheduler.cache.tree import PrefixTree
 from services.scheduler.memory import Memory, MemoryConfig, device_memory
 from services.scheduler.memory.states import StateCounters
+from services.scheduler.memory.tree import PrefixTree
 from services.scheduler.request import Finish, Req
 
 VOCAB = 12

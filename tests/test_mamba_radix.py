@@ -11,12 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from services.scheduler.allocator import DoubleFreeError, SlotAllocator
-from services.scheduler.cache.base import CacheHandle, CacheKey, PrefixCache
-from services.scheduler.cache.mamba_policy import StatePolicy, checkpoint_positions, state_eviction_order
-from services.scheduler.cache.tree import InsertResult, PrefixTree
-from services.scheduler.cache.tree_util import as_array, common_prefix
-from services.scheduler.mamba_alloc import MambaSlotAllocator, min_mamba_slots
+from services.scheduler.memory.allocator import DoubleFreeError, SlotAllocator
+from services.scheduler.memory.base import CacheHandle, CacheKey, PrefixCache
+from services.scheduler.memory.state_alloc import MambaSlotAllocator, min_mamba_slots
+from services.scheduler.memory.state_policy import StatePolicy, checkpoint_positions, state_eviction_order
+from services.scheduler.memory.tree import InsertResult, PrefixTree
+from services.scheduler.memory.tree_util import as_array, common_prefix
 
 
 class Env:

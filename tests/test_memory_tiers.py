@@ -25,10 +25,10 @@ import pytest
 from services.kvstore.config import KVStoreConfig
 from services.kvstore.server import build_server
 from services.kvstore.sharded import ShardedKVStore
-from services.scheduler.cache.hiradix_policy import StopPolicy, WritePolicy
 from services.scheduler.l3_lookup import leading_pages
 from services.scheduler.loop import LoopConfig, SchedulerLoop
 from services.scheduler.memory import HiConfig, Memory
+from services.scheduler.memory.host_policy import StopPolicy, WritePolicy
 from services.scheduler.memory.host_tier import HostTier
 from services.worker.engine import Engine, EngineConfig
 from services.worker.l3_port import KVStorePort

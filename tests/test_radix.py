@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from services.scheduler.allocator import SlotAllocator
-from services.scheduler.cache.base import CacheEvent, CacheHandle, CacheKey, NoCache, PrefixCache
-from services.scheduler.cache.tree import EvictionPolicy, PrefixTree
-from services.scheduler.cache.tree_util import common_prefix as _common_prefix
+from services.scheduler.memory.allocator import SlotAllocator
+from services.scheduler.memory.base import CacheEvent, CacheHandle, CacheKey, NoCache, PrefixCache
+from services.scheduler.memory.tree import EvictionPolicy, PrefixTree
+from services.scheduler.memory.tree_util import common_prefix as _common_prefix
 
 SIZE = 64
 

@@ -52,8 +52,9 @@ from typing import NamedTuple
 from services.bench.hicache_rig import Sizes, kvstore, model_sizes, pools
 from services.bench.hicache_tiers import TIERS, Tier, Tiers, serving
 from services.bench.runner import greedy_req
+from services.common.step import HOST_PAGE_TOKENS
 from services.kvstore.sharded import ShardedKVStore
-from services.scheduler.l3_lookup import L3_PAGE_TOKENS, leading_pages
+from services.scheduler.l3_lookup import leading_pages
 from services.scheduler.loop import LoopConfig
 from services.scheduler.memory import HiConfig
 from services.scheduler.request import Finish, TokenEvent
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path, default=Path("models/qwen3-bench"))
     p.add_argument("--lengths", type=_lengths, default=[1024, 2048, 4096], help="prompt tokens, comma-separated")
     p.add_argument("--repeats", type=int, default=3, help="prompts per length (the median TTFT is reported)")
-    p.add_argument("--host-page-tokens", type=int, default=L3_PAGE_TOKENS, help="tokens per host / L3 page")
+    p.add_argument("--host-page-tokens", type=int, default=HOST_PAGE_TOKENS, help="tokens per host / L3 page")
     p.add_argument("--max-prefill-tokens", type=int, default=LoopConfig().max_prefill_tokens)
     p.add_argument("--kvstore", choices=("process", "inproc"), default="process",
                    help="the kvstore server: its own process, or on the bench's event loop")

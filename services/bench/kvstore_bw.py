@@ -43,9 +43,9 @@ from typing import Literal
 
 import numpy as np
 
+from services.common.step import HOST_PAGE_TOKENS
 from services.kvstore.client import DEFAULT_BATCH_BYTES, KVStoreClient
 from services.kvstore.sharded import ShardedKVStore
-from services.scheduler.l3_lookup import L3_PAGE_TOKENS
 
 BackendKind = Literal["memory", "file"]
 
@@ -54,7 +54,7 @@ GB = 1e9
 # KV bytes per token of the bench model (`strata model tiny --size bench`): K and V × 8 layers ×
 # 4 KV heads × head_dim 64 × 4 bytes (fp32, the worker's default dtype) = 16 KiB.
 BENCH_KV_BYTES_PER_TOKEN = 2 * 8 * 4 * 64 * 4
-DEFAULT_PAGE_BYTES = L3_PAGE_TOKENS * BENCH_KV_BYTES_PER_TOKEN  # one L3 page: 1 MiB
+DEFAULT_PAGE_BYTES = HOST_PAGE_TOKENS * BENCH_KV_BYTES_PER_TOKEN  # one L3 page: 1 MiB
 MAX_PAGE_BYTES = 64 * MiB  # the server's default --max-page-bytes
 MEMCPY_REPEATS = 3
 _START_TIMEOUT_S = 30.0
@@ -378,7 +378,7 @@ def markdown(report: Report) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--page-bytes", type=int, default=DEFAULT_PAGE_BYTES,
-                   help=f"bytes per page (default {DEFAULT_PAGE_BYTES}: {L3_PAGE_TOKENS} tokens of bench-model KV)")
+                   help=f"bytes per page (default {DEFAULT_PAGE_BYTES}: {HOST_PAGE_TOKENS} tokens of bench-model KV)")
     p.add_argument("--total-mib", type=float, default=256.0, help="page data put and got back per case")
     p.add_argument("--shards", type=int, nargs="+", default=[1, 2], help="shard counts to run")
     p.add_argument("--backend", choices=["memory", "file"], nargs="+", default=["memory", "file"])

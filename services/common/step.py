@@ -36,6 +36,11 @@ class SamplingParams:
 
 GREEDY = SamplingParams(temperature=0.0)
 
+# Numbers both sides of the step stream rely on, named once.
+MAX_TOP_LOGPROBS = 20  # alternatives a sample may report (the API's ``top_logprobs`` bound)
+STATES_PER_ROW = 3  # state slots one running request pins at most: working, locked match, fork in flight
+HOST_PAGE_TOKENS = 64  # tokens per host / L3 page unless the worker is told otherwise
+
 
 @dataclass(frozen=True, slots=True)
 class MambaCopy:

@@ -11,13 +11,12 @@ import math
 from dataclasses import dataclass
 
 from services.common.errors import InvalidArgument
-from services.common.step import SamplingParams
+from services.common.step import MAX_TOP_LOGPROBS, SamplingParams
 from strata.v1 import strata_pb2 as pb
 
 DEFAULT_MAX_NEW_TOKENS = 128
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
-MAX_TOP_LOGPROBS = 20
 MAX_REQUEST_ID_CHARS = 128
 MAX_SALT_CHARS = 256
 

@@ -8,6 +8,7 @@ from typing import Literal
 from services.common.config import ConfigError
 from services.scheduler.loop import LoopConfig
 from services.scheduler.memory import HiConfig
+from services.scheduler.memory.host import MAX_INFLIGHT_JOBS
 
 
 def _h(text: str) -> dict[str, str]:
@@ -64,7 +65,7 @@ class SchedulerConfig:
         default=2.0, metadata=_h("hierarchical cache: the wait of the 'timeout' prefetch policy")
     )
     hicache_max_inflight: int = field(
-        default=64, metadata=_h("hierarchical cache: backups, puts and prefetches in flight at once")
+        default=MAX_INFLIGHT_JOBS, metadata=_h("hierarchical cache: backups, puts and prefetches in flight at once")
     )
     check_invariants: bool = field(default=True, metadata=_h("check KV accounting whenever idle"))
     metrics_port: int = field(default=-1, metadata=_h("Prometheus port; -1 = off, 0 = pick"))

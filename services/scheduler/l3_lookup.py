@@ -24,7 +24,6 @@ from services.kvstore.sharded import ShardedKVStore
 
 log = logging.getLogger(__name__)
 
-L3_PAGE_TOKENS = 64  # the worker's default --host-page-tokens: tokens per host / L3 page
 LOOKUP_TIMEOUT_S = 0.05
 
 

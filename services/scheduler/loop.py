@@ -187,6 +187,15 @@ class SchedulerLoop:
         self.attach(link)
 
     # -- the loop -------------------------------------------------------------------------------
+    async def _idle(self, batcher: Batcher, stop: asyncio.Event) -> None:
+        """No step to plan and none in flight: check the books, then sleep until woken (with
+        elastic pools, at most a tick, to give memory back once idle long enough)."""
+        if self.cfg.check_invariants and batcher.idle:
+            batcher.mem.check_idle()
+        self._wake.clear()
+        tick = (asyncio.sleep(ELASTIC_TICK_S),) if batcher.elastic is not None else ()
+        await _first(self._wake.wait(), stop.wait(), *tick)
+
     async def run(self, stop: asyncio.Event) -> None:
         """Plan, send, receive, commit. With ``overlap`` the next step is planned and sent while
         the worker runs the current one (at most two in flight); results are committed in order,
@@ -202,49 +211,39 @@ class SchedulerLoop:
                 await _first(self._ready.wait(), stop.wait())
                 continue
             batcher, link = self.batcher, self.link
+            planning, done, result, t0 = True, None, None, 0.0
             try:
-                plan = batcher.plan() if len(inflight) < depth else None
-            except Exception as e:
-                # A bug in planning: fail what is running loudly and start clean (never let the
-                # loop die silently while the server keeps accepting requests).
-                log.exception("planning a step failed")
-                failed = list(batcher.running) + [r for p, _ in inflight for r in p.reqs]
-                inflight.clear()
-                self._fail_step(failed, f"internal error while planning a step: {e!r}")
-                continue
-            if plan is None and not inflight:
-                if self.cfg.check_invariants and batcher.idle:
-                    batcher.mem.check_idle()
-                self._wake.clear()
-                # Elastic pools: look again after a while, to give memory back once idle long enough.
-                tick = (asyncio.sleep(ELASTIC_TICK_S),) if batcher.elastic is not None else ()
-                await _first(self._wake.wait(), stop.wait(), *tick)
-                from_idle = True
-                continue
-            done: Plan | None = None
-            try:
+                plan = batcher.plan() if len(inflight) < depth else None  # plan
+                planning = False
                 if plan is not None:
-                    await link.send(plan.step)
+                    await link.send(plan.step)  # send
                     inflight.append((plan, time.perf_counter()))
-                    if len(inflight) < depth:
-                        continue  # plan the next step while this one runs
-                done, t0 = inflight.popleft()
-                result = await link.recv()
-                batcher.commit(done, [(o.token_id, o.logprob) for o in result.outputs], result.jobs)
-                if inflight and inflight[0][0].late:  # the next step waits for these masks
-                    await link.send_masks(batcher.late_masks(inflight[0][0], link.info.vocab_size))
+                if inflight and (plan is None or len(inflight) >= depth):
+                    done, t0 = inflight.popleft()
+                    result = await link.recv()  # receive
+                    batcher.commit(done, [(o.token_id, o.logprob) for o in result.outputs], result.jobs)  # commit
+                    if inflight and inflight[0][0].late:  # the next step waits for these masks
+                        await link.send_masks(batcher.late_masks(inflight[0][0], link.info.vocab_size))
             except WorkerGone as e:
                 log.warning("%s", e)
                 inflight.clear()
                 await self.detach(str(e))
                 continue
             except Exception as e:
-                # A bug, not a lost worker: fail the requests in flight loudly, start clean.
-                log.exception("step failed")
+                # A bug, not a lost worker: fail loudly what the failure may have touched (a
+                # failed plan: everything running) and start clean; never let the loop die
+                # silently while the server keeps accepting requests.
+                log.exception("planning a step failed" if planning else "step failed")
                 failed = [r for p, _ in inflight for r in p.reqs] + (done.reqs if done is not None else [])
+                failed += list(batcher.running) if planning else []
                 inflight.clear()
-                self._fail_step(failed, f"internal error in a step: {e!r}")
+                self._fail_step(failed, f"internal error {'while planning' if planning else 'in'} a step: {e!r}")
                 continue
+            if result is None or done is None:
+                if not inflight:  # nothing to do: wait for work
+                    await self._idle(batcher, stop)
+                    from_idle = True
+                continue  # with a step in flight: plan the next one while it runs
             step_s = time.perf_counter() - t0
             self.counters.busy_s += step_s
             self.counters.steps += 1

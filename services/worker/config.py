@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from services.common.config import ConfigError
+from services.common.step import HOST_PAGE_TOKENS
 
 
 def _h(text: str) -> dict[str, str]:
@@ -33,7 +34,7 @@ class WorkerConfig:
         "elastic Mamba reservation in slots: PoolResize may grow the Mamba pool up to it; 0 = the starting slots"))
     host_cache_bytes: int = field(default=0, metadata=_h(
         "hierarchical cache: bytes of host memory for KV pages evicted from the device; 0 = off"))
-    host_page_tokens: int = field(default=64, metadata=_h(
+    host_page_tokens: int = field(default=HOST_PAGE_TOKENS, metadata=_h(
         "hierarchical cache: tokens per host / kvstore page (a multiple of page_size)"))
     host_state_share: float = field(default=0.25, metadata=_h(
         "hierarchical cache, hybrid models: share of host_cache_bytes for Mamba states (the rest holds KV "

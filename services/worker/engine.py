@@ -31,6 +31,7 @@ import torch
 
 from kernels.native import paged_decode_available
 from services.common.step import (
+    MAX_TOP_LOGPROBS,
     HostBackup,
     HostLoad,
     L3Get,
@@ -59,7 +60,7 @@ from services.worker.loader import fingerprint, load_model
 from services.worker.models.registry import CausalLM
 from services.worker.pool_backing import choose_backing
 from services.worker.pools import KVPool, ReqToTokenTable
-from services.worker.sampler import MAX_TOP_LOGPROBS, SamplerInput, sample
+from services.worker.sampler import SamplerInput, sample
 from services.worker.step_check import check_step, decode_bitmask
 
 if TYPE_CHECKING:

@@ -7,6 +7,8 @@ from typing import Literal
 
 import torch
 
+from services.common.step import HOST_PAGE_TOKENS, STATES_PER_ROW
+
 DType = Literal["float32", "bfloat16", "float16"]
 AttentionPath = Literal["cascade", "flat", "reference"]
 """``cascade``: prefix-shared attention (requests sharing a slot run attend to it once per group) over
@@ -20,7 +22,6 @@ DTYPES: dict[str, torch.dtype] = {
 }
 # Peak Mamba states one row can pin at once: its own running state, the locked cached state it
 # matched, and the copy it donates to the tree when it checkpoints (see DESIGN §3).
-MAMBA_SLOTS_PER_ROW = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +29,7 @@ class EngineConfig:
     """Worker engine settings, validated at construction.
 
     ``max_context`` ``None`` = the model's ``max_position_embeddings``; ``mamba_slots`` 0 =
-    ``MAMBA_SLOTS_PER_ROW * max_rows`` (ignored for dense models).
+    ``STATES_PER_ROW * max_rows`` (ignored for dense models).
 
     Elastic pools: ``kv_cache_bytes`` / ``mamba_slots`` size the pools at start;
     ``kv_max_bytes`` / ``mamba_max_slots`` size the address range reserved once, which
@@ -52,7 +53,7 @@ class EngineConfig:
     kv_max_bytes: int = 0
     mamba_max_slots: int = 0
     host_cache_bytes: int = 0
-    host_page_tokens: int = 64
+    host_page_tokens: int = HOST_PAGE_TOKENS
     host_state_share: float = 0.25
     attention: AttentionPath = "cascade"
     threads: int = 0  # torch intra-op threads; 0 = torch's default (one per core)
@@ -95,4 +96,4 @@ class EngineConfig:
     @property
     def initial_mamba_slots(self) -> int:
         """Mamba pool capacity at start (hybrid models)."""
-        return self.mamba_slots or MAMBA_SLOTS_PER_ROW * self.max_rows
+        return self.mamba_slots or STATES_PER_ROW * self.max_rows

@@ -16,7 +16,7 @@ long runs on both sides (the scheduler's first-fit pages usually do), else as on
 scatter per layer and K/V (aligned pages index whole blocks; loose slots index single slots).
 
 The scheduler decides which slots and host pages take part (the worker keeps no bookkeeping);
-``services.scheduler.host_alloc.HostPageAllocator`` is the bookkeeping it uses for host pages.
+``services.scheduler.memory.host_alloc.HostPageAllocator`` is the bookkeeping it uses for host pages.
 
 Index tensors are built per call from the given lists and die with the call: nothing here keeps a
 view into a caller's free list.

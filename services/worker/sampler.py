@@ -31,9 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.step import SamplingParams, TokenLogprob
+from services.common.step import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 
-MAX_TOP_LOGPROBS = 20
 _MASK64 = (1 << 64) - 1
 _WORD_BITS = 32
 

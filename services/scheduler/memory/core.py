@@ -36,12 +36,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from services.common.step import CacheOp, JobResult, ReleaseRow
-from services.scheduler.allocator import RowAllocator, SlotAllocator
-from services.scheduler.cache.base import CacheKey, NoCache, PrefixCache
-from services.scheduler.cache.tree import PrefixTree
+from services.scheduler.memory.allocator import RowAllocator, SlotAllocator
+from services.scheduler.memory.base import CacheKey, NoCache, PrefixCache
 from services.scheduler.memory.host import HostTier, match_key
 from services.scheduler.memory.ops import step_ops
 from services.scheduler.memory.states import StateTrack
+from services.scheduler.memory.tree import PrefixTree
 from services.scheduler.request import Fork, Req
 
 

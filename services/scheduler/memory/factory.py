@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 
 from services.common.page_hash import HashNamespace
 from services.common.step import WorkerInfo
-from services.scheduler.allocator import RowAllocator, SlotAllocator
-from services.scheduler.cache.base import NoCache, PrefixCache
-from services.scheduler.cache.tree import EvictionPolicy, PrefixTree
+from services.scheduler.memory.allocator import RowAllocator, SlotAllocator
+from services.scheduler.memory.base import NoCache, PrefixCache
 from services.scheduler.memory.core import Memory
 from services.scheduler.memory.host import HiConfig
 from services.scheduler.memory.host_tier import HostTier
 from services.scheduler.memory.states import StateTrack
+from services.scheduler.memory.tree import EvictionPolicy, PrefixTree
 
 
 @dataclass(frozen=True, slots=True)

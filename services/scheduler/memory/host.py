@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from services.common.step import CacheOp, JobResult
-from services.scheduler.cache.base import CacheKey
-from services.scheduler.cache.hiradix_policy import PrefetchTracker, StopPolicy, WritePolicy
+from services.scheduler.memory.base import CacheKey
+from services.scheduler.memory.host_policy import PrefetchTracker, StopPolicy, WritePolicy
 from services.scheduler.request import Req
 
 # Backups, puts and prefetches in flight at once (the default of --hicache-max-inflight).

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from services.common.step import CacheOp, HostBackup, L3Get, L3Put, StateBackup
-from services.scheduler.cache.base import CacheHandle
-from services.scheduler.cache.hiradix_policy import PrefetchTracker
-from services.scheduler.cache.host_index import HostIndex
+from services.scheduler.memory.base import CacheHandle
+from services.scheduler.memory.host_index import HostIndex
+from services.scheduler.memory.host_policy import PrefetchTracker
 
 
 @dataclass(slots=True)

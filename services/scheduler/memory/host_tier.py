@@ -37,19 +37,19 @@ Invariant when idle: ``available + evictable + protected + reserved == size`` pe
 from __future__ import annotations
 
 import itertools
-from array import array
 from collections.abc import Callable
 
 from services.common.page_hash import HashNamespace, page_hashes, state_key
 from services.common.step import CacheOp, HostLoad, JobResult, StateLoad
-from services.scheduler.cache.base import CacheHandle, CacheKey
-from services.scheduler.cache.hiradix_policy import PrefetchTracker, should_prefetch
-from services.scheduler.cache.host_index import HostIndex
-from services.scheduler.cache.tree import PrefixTree
-from services.scheduler.host_alloc import HostPageAllocator
+from services.scheduler.memory import host_writes
+from services.scheduler.memory.base import CacheHandle, CacheKey
 from services.scheduler.memory.host import HiConfig, HiCounters, match_key, wait_for_prefetch
-from services.scheduler.memory.host_jobs import Group, group_ops, land
+from services.scheduler.memory.host_alloc import HostPageAllocator
+from services.scheduler.memory.host_index import HostIndex
+from services.scheduler.memory.host_jobs import Group, group_ops
+from services.scheduler.memory.host_policy import PrefetchTracker, should_prefetch
 from services.scheduler.memory.states import StateTrack
+from services.scheduler.memory.tree import PrefixTree
 from services.scheduler.request import Req
 
 
@@ -86,7 +86,7 @@ class HostTier:
         self._ns: dict[str, HashNamespace] = {}
         self.counters = HiCounters()
         if cfg.write_policy == "write_back":
-            tree.on_remove = self._evicted
+            tree.on_remove = lambda *node: host_writes.evicted(self, *node)
 
     # -- keys -----------------------------------------------------------------------------------
     def _hashes(self, key: CacheKey) -> list[bytes]:
@@ -118,7 +118,7 @@ class HostTier:
     # -- admission ------------------------------------------------------------------------------
     def extend_match(self, req: Req, key: CacheKey, n: int) -> int:
         if n and self.cfg.write_policy == "write_through_selective" and self.tree.hits(req.lock) >= 2:
-            self._want(CacheKey(key.tokens[:n], key.extra))
+            host_writes.want(self, CacheKey(key.tokens[:n], key.extra))
         keys = self._hashes(key)
         _, q = self._reach(keys, n, self._kv_reach(key, n))
         return (self._load(req, key, keys, q) or n) if q else n
@@ -149,17 +149,20 @@ class HostTier:
         new, spare = got[: end - d], got[end - d :]
         if spare:
             self._free_pages(spare)
-        job = next(self._ids)
         if new:
+            job = next(self._ids)
             host_pages = tuple(self.kv_host.get(k).index for k in keys[d // ps : q])  # type: ignore[union-attr]
             self.tier_ops.append(HostLoad(job, host_pages, tuple(new)))
+            self._loads[job], pins = (pins, []), []
         if state is not None and skey is not None:
+            job = next(self._ids)
             sentry = self.state_host.get(skey)
             assert sentry is not None
             self.tier_ops.append(StateLoad(job, (sentry.index,), (state,)))
             self.state_host.touch([skey])
             self.counters.state_loads += 1
-        self._loads[job] = (pins, spins)
+            self._loads[job], pins, spins = (pins, spins), [], []
+        self._unpin(pins, spins)  # held by a load's ack above, or not needed
         self.kv_host.touch(keys[:q])
         pkey = CacheKey(key.tokens[:end], key.extra)
         res = self.tree.insert_checkpoint(pkey, dev + new, state)
@@ -217,82 +220,7 @@ class HostTier:
     def cached(self, key: CacheKey) -> None:
         """``key`` (and, with states, the state after it) just entered the tree."""
         if self.cfg.write_policy == "write_through":
-            self._want(key)
-
-    def _want(self, key: CacheKey) -> None:
-        """Back ``key``'s pages (and the state at its end) up with the next step."""
-        m = self.tree.match(key, touch=False)
-        if m.length != len(key.tokens) or (self.states is not None and m.state is None):
-            return
-        if self._full():
-            self.counters.refused += 1
-            return
-        self.tree.lock(m.node)
-        self._backlog.append((m.node, key, m.state))
-
-    def _evicted(self, extra: str, tokens: array[int], start: int, slots: list[int], state: int | None) -> None:
-        """write_back: the tree removes ``tokens[start:]`` (its ``slots``) and the state after it:
-        copy what the host lacks before the slots can be reused (``first_ops``)."""
-        ps = self.tree_page
-        keys = self._hashes(CacheKey(tokens, extra))
-        have = {i for i in range(start // ps, len(keys)) if keys[i] in self.kv_host or keys[i] in self._incoming}
-        missing = [i for i in range(start // ps, len(keys)) if i not in have] if slots else []
-        skey = self._skey(keys[-1]) if state is not None and keys else None
-        if skey is not None and (skey in self.state_host or skey in self._incoming):
-            skey = None
-        if missing or skey is not None:
-            dev = tuple(s for i in missing for s in slots[(i * ps - start) : (i + 1) * ps - start])
-            self._backup(keys, missing, skey, dev, state, self.first_ops, node=None)
-
-    def _backup(self, keys: list[bytes], missing: list[int], skey: bytes | None, dev: tuple[int, ...],
-                state: int | None, ops: list[CacheOp], node: CacheHandle | None) -> bool:
-        """Reserve host room for pages ``missing`` (device ``dev``) and the state, and send."""
-        if self._full() and node is None:
-            self.counters.refused += 1
-            return False
-        pages = self.kv_host.reserve(len(missing))
-        hs = self.state_host.reserve(1) if skey is not None and pages is not None else []
-        if pages is None or hs is None:  # no host room that is not pinned
-            if pages:
-                self.kv_host.release(pages)
-            self.counters.refused += 1
-            return False
-        g = Group("backup", [keys[i] for i in missing], pages, skey if hs else None, hs[0] if hs else None)
-        g.node = node
-        self._incoming.update(g.keys)
-        if g.skey is not None:
-            self._incoming.add(g.skey)
-        self._send(g, ops, backup_slots=(dev, state if state is not None else -1))
-        return True
-
-    def _start_backup(self, node: CacheHandle, key: CacheKey, state: int | None, ops: list[CacheOp]) -> None:
-        ps = self.tree_page
-        keys = self._hashes(key)
-        skey = self._skey(keys[-1]) if state is not None else None
-        missing = [i for i, k in enumerate(keys) if k not in self.kv_host and k not in self._incoming]
-        if skey is not None and (skey in self.state_host or skey in self._incoming):
-            skey = None
-        slots = self.tree.kv_path(key)
-        assert len(slots) == len(key.tokens), "a locked node keeps its path"
-        dev = tuple(s for i in missing for s in slots[i * ps : (i + 1) * ps])
-        if not (missing or skey is not None) or not self._backup(keys, missing, skey, dev, state, ops, node):
-            self.tree.unlock(node)  # the host has it all or is getting it, or there is no room
-
-    def _start_put(self, keys: list[bytes], skey: bytes | None, ops: list[CacheOp]) -> None:
-        keys = [k for k in keys if (e := self.kv_host.get(k)) is not None and not e.l3]
-        se = self.state_host.get(skey) if skey is not None else None
-        if se is not None and se.l3:
-            se = None
-        if not keys and se is None:
-            return
-        if self._full():
-            self.counters.refused += 1
-            return
-        g = Group("put", keys, [self.kv_host.get(k).index for k in keys],  # type: ignore[union-attr]
-                  skey if se is not None else None, se.index if se is not None else None)
-        g.pins = self.kv_host.pin(keys)
-        g.spins = self.state_host.pin([skey]) if se is not None and skey is not None else []
-        self._send(g, ops)
+            host_writes.want(self, key)
 
     def _full(self) -> bool:
         return self._busy + len(self._backlog) >= self.cfg.max_inflight_jobs
@@ -308,7 +236,7 @@ class HostTier:
 
     # -- the step stream ------------------------------------------------------------------------
     def evict_device(self, n: int) -> int:
-        return self.tree.evict(n)  # write_back: the tree hands each removed node to _evicted
+        return self.tree.evict(n)  # write_back: the tree hands each removed node to host_writes.evicted
 
     def take_ops(self) -> tuple[list[CacheOp], list[CacheOp]]:
         """(write-back copies of what was evicted: first in the step; loads and prefetches planned
@@ -317,10 +245,10 @@ class HostTier:
         ops, self.tier_ops = self.tier_ops, []
         backlog, self._backlog = self._backlog, []
         for node, key, state in backlog:
-            self._start_backup(node, key, state, ops)
+            host_writes.start_backup(self, node, key, state, ops)
         puts, self._puts = self._puts, []
         for keys, skey in puts:
-            self._start_put(keys, skey, ops)
+            host_writes.start_put(self, keys, skey, ops)
         return first, ops
 
     def on_results(self, results: list[JobResult]) -> None:
@@ -340,33 +268,11 @@ class HostTier:
                 g.state_ok = r.ok
             g.waiting -= 1
             if not g.waiting:
-                self._finish(g)
+                host_writes.finish(self, g)
 
     def _unpin(self, pins: list[bytes], spins: list[bytes]) -> None:
         self.kv_host.unpin(pins)
         self.state_host.unpin(spins)
-
-    def _finish(self, g: Group) -> None:
-        self._busy -= 1
-        got, state_ok = land(g, self.kv_host, self.state_host)
-        c = self.counters
-        if g.kind == "put":
-            c.put_pages += got
-            c.state_puts += state_ok
-        elif g.kind == "backup":
-            self._incoming.difference_update(g.keys)
-            self._incoming.discard(g.skey or b"")
-            if g.node is not None:
-                self.tree.unlock(g.node)
-            c.backup_pages += got
-            c.state_backups += state_ok
-            if self.l3 and (got or state_ok):
-                self._puts.append((g.keys[:got], g.skey if state_ok else None))
-        elif g.kind == "prefetch":
-            c.prefetched_pages += got
-            c.states_prefetched += state_ok
-            assert g.tracker is not None
-            g.tracker.on_done(got + state_ok)
 
     @property
     def memory_pending(self) -> bool:

@@ -9,7 +9,7 @@ request owns one *working state* (``req.mamba_slot``) and:
   into it (``MambaCopy``, copy-on-write: a cached state is never written), or it is zeroed
   (``MambaReset``) when nothing matched;
 - **checkpoints**: prefill chunks are cut at the request's checkpoint positions (see
-  ``mamba_policy.checkpoint_positions``). When a chunk ends at one, the request allocates a *fork*
+  ``state_policy.checkpoint_positions``). When a chunk ends at one, the request allocates a *fork*
   slot; the copy working → fork runs at the head of the *next* step's ops (after this step's forward
   has brought the working state there, before the next forward moves it on). When the chunk's step
   is committed, ``tokens[:p]`` and the fork go into the tree and the request's lock moves down;
@@ -26,10 +26,10 @@ import bisect
 from dataclasses import dataclass
 
 from services.common.step import CacheOp, MambaCopy, MambaReset
-from services.scheduler.cache.base import CacheHandle
-from services.scheduler.cache.mamba_policy import checkpoint_positions
-from services.scheduler.cache.tree import PrefixTree
-from services.scheduler.mamba_alloc import MambaSlotAllocator
+from services.scheduler.memory.base import CacheHandle
+from services.scheduler.memory.state_alloc import MambaSlotAllocator
+from services.scheduler.memory.state_policy import checkpoint_positions
+from services.scheduler.memory.tree import PrefixTree
 from services.scheduler.request import Fork, Req
 
 

@@ -41,11 +41,13 @@ class _PageBitmap:
                  usable pages ^ tail: freed pages here are not free to take
     """
 
-    __slots__ = ("_free", "_limit", "_lowest_free", "_ones", "_state", "_tail_used")
+    __slots__ = ("_free", "_limit", "_lowest_free", "_ones", "_state", "_tail_used", "unit")
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, unit: str = "page") -> None:
+        """``unit`` names what is counted in error messages (page, row, state slot, host page)."""
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
+        self.unit = unit
         self._state = bytearray(count)
         # A read-only run of ones to mark runs allocated without building a bytes object per call.
         self._ones = memoryview(b"\x01" * count)
@@ -128,20 +130,21 @@ class _PageBitmap:
         lo, hi = ordered[0], ordered[-1]
         count = len(self._state)
         if lo < 0 or hi >= count:
-            raise DoubleFreeError(f"page {lo if lo < 0 else hi} was never allocated (pool has {count})")
+            bad = lo if lo < 0 else hi
+            raise DoubleFreeError(f"{self.unit} {bad} is not allocated: it was never allocated (the pool has {count})")
         if k > 1 and len(set(ordered)) != k:
-            raise DoubleFreeError("the same page appears twice in one free call")
+            raise DoubleFreeError(f"the same {self.unit} appears twice in one free call")
         state = self._state
         if hi - lo + 1 == k:
             # Distinct pages spanning exactly k: one run, checked and cleared by C slice operations.
-            if _FREE in state[lo : hi + 1]:
-                raise DoubleFreeError(f"a page in [{lo}, {hi}] is already free")
+            if (i := state.find(_FREE, lo, hi + 1)) >= 0:
+                raise DoubleFreeError(f"{self.unit} {i} is already free")
             state[lo : hi + 1] = bytes(k)
         else:
             # Validate everything before mutating, so a bad call leaves the pool consistent.
             for p in ordered:
                 if state[p] != _USED:
-                    raise DoubleFreeError(f"page {p} is already free")
+                    raise DoubleFreeError(f"{self.unit} {p} is already free")
             for p in ordered:
                 state[p] = _FREE
         in_tail = k - bisect.bisect_left(ordered, self._limit)
@@ -270,7 +273,7 @@ class RowAllocator:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._rows = _PageBitmap(size)
+        self._rows = _PageBitmap(size, "row")
 
     @property
     def available(self) -> int:

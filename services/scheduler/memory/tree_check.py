@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from services.scheduler.cache.tree_util import check, child_key
+from services.scheduler.memory.tree_util import check, child_key
 
 if TYPE_CHECKING:
-    from services.scheduler.cache.tree import PrefixTree
+    from services.scheduler.memory.tree import PrefixTree
 
 
 def check_tree(t: PrefixTree) -> None:

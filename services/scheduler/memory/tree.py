@@ -30,7 +30,7 @@ inner states age out.
 
 Eviction is a policy of this one tree: KV leaves go least recently used first ("lru", deeper first
 on ties) or least frequently hit first ("lfu", LRU on ties); states go by ``state_policy`` ("lru"
-or "marconi", see ``mamba_policy``). Hot path: a child is found by one dict lookup on its first page
+or "marconi", see ``state_policy``). Hot path: a child is found by one dict lookup on its first page
 and an edge is compared with array slice equality (a C memcmp; see ``tree_util``).
 
 A node keeps its identity across splits as the *deeper* half: a handle always names the node that
@@ -39,13 +39,11 @@ ends where its match ended. Not thread-safe: the scheduler's loop is the only ca
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from array import array
-from collections.abc import Callable, Sequence
-from typing import Literal, NamedTuple
+from collections.abc import Sequence
 
-from services.scheduler.cache.base import (
+from services.scheduler.memory import tree_evict
+from services.scheduler.memory.base import (
     CacheEvent,
     CacheHandle,
     CacheKey,
@@ -54,63 +52,19 @@ from services.scheduler.cache.base import (
     MatchResult,
     PrefixCache,
 )
-from services.scheduler.cache.mamba_policy import DEFAULT_MARCONI_ALPHA, StatePolicy, state_eviction_order
-from services.scheduler.cache.tree_util import as_array, child_key, common_prefix, lock_path, unlock_path
+from services.scheduler.memory.state_policy import DEFAULT_MARCONI_ALPHA, StatePolicy
+from services.scheduler.memory.tree_node import (
+    EvictionPolicy,
+    FreeStates,
+    InsertResult,
+    OnRemove,
+    TreeMatch,
+    TreeNode,
+    owned,
+)
+from services.scheduler.memory.tree_util import as_array, child_key, common_prefix, lock_path, unlock_path
 
-EvictionPolicy = Literal["lru", "lfu"]
-FreeStates = Callable[[list[int]], None]
-"""Returns state slots to their allocator; the tree calls it for states it evicts or declines."""
-OnRemove = Callable[[str, "array[int]", int, list[int], "int | None"], None]
-"""Told of every evicted node before its slots are freed: (extra, tokens from the root through the
-node's end, where the node's own tokens start, its KV slots (empty when only its state goes), its
-state slot or None). The host tier's write_back copies them out."""
-
-
-class TreeNode(CacheHandle):
-    __slots__ = ("children", "depth", "evicted", "extra", "hits", "key", "last_access", "lock_ref", "own_lock",
-                 "parent", "state", "state_access", "value")
-
-    def __init__(self, key: array[int], value: list[int], parent: TreeNode | None, extra: str) -> None:
-        self.children: dict[int | bytes, TreeNode] = {}
-        self.parent = parent
-        self.key = key
-        self.value = value
-        self.extra = extra
-        # Tokens from the root through the end of this node: what a hit on its state saves.
-        self.depth: int = (parent.depth if parent is not None else 0) + len(key)
-        self.state: int | None = None
-        # Locks held at this node or below it (they protect the KV path); locks held at this node.
-        self.lock_ref = 0
-        self.own_lock = 0
-        self.last_access = 0
-        self.state_access = 0
-        self.hits = 0
-        self.evicted = False
-
-
-class TreeMatch(NamedTuple):
-    """`slots`: owned list of the KV slots of the served prefix. `node`: the handle to lock (a root
-    when nothing is served). `state`: the state slot after `slots`, to copy and never write (None
-    without states or when nothing is served). `kv_len`: how far the key follows the tree by KV
-    alone (through tombstones, into an edge), whole pages, >= len(slots): where it branches off."""
-
-    slots: list[int]
-    node: CacheHandle
-    state: int | None
-    kv_len: int
-
-    @property
-    def length(self) -> int:
-        return len(self.slots)
-
-
-class InsertResult(NamedTuple):
-    """`cached_len`: as PrefixCache.insert. `state_taken`: the state slot passed in is now a node's;
-    False means there was none, or the tree already freed it (surplus, or not page-aligned)."""
-
-    cached_len: int
-    state_taken: bool
-
+__all__ = ["EvictionPolicy", "InsertResult", "PrefixTree", "TreeMatch", "TreeNode"]
 
 class PrefixTree(PrefixCache):
     """See PrefixCache for the contract and the module docstring for states. Beyond PrefixCache:
@@ -246,13 +200,13 @@ class PrefixTree(PrefixCache):
         # A state describes the position after the key's last token: only a node end can hold it.
         attach = not self.has_states or (state is not None and n == len(tokens) and n > 0)
         if state is not None and not attach:
-            self._release([], [state])
+            tree_evict.release(self, [], [state])
         if n == 0:
             return InsertResult(0, False)
         root = self._roots.get(key.extra)
         if root is None:
             if not attach:
-                self._free_slots(_owned(slots[:n]))
+                self._free_slots(owned(slots[:n]))
                 return InsertResult(0, False)
             root = self._roots[key.extra] = TreeNode(array("i"), [], None, key.extra)
         node, pos, partial, m = self._descend(root, tokens, n)
@@ -260,13 +214,13 @@ class PrefixTree(PrefixCache):
         end = pos + m
         if not attach:
             if end < n:
-                self._free_slots(_owned(slots[end:n]))  # would be a leaf without a state
+                self._free_slots(owned(slots[end:n]))  # would be a leaf without a state
             self._touch_path(node)
             return InsertResult(end, False)
         if partial is not None:
             node = self._split(partial, m)
         if end < n:
-            leaf = TreeNode(tokens[end:n], _owned(slots[end:n]), node, key.extra)
+            leaf = TreeNode(tokens[end:n], owned(slots[end:n]), node, key.extra)
             node.children[child_key(leaf.key, 0, self.page_size)] = leaf
             self._leaves.discard(node)
             self._leaves.add(leaf)
@@ -279,7 +233,7 @@ class PrefixTree(PrefixCache):
             return InsertResult(end, False)
         node.state_access = self._tick
         if node.state is not None:
-            self._release([], [state])  # the tree already has this state: the fork is surplus
+            tree_evict.release(self, [], [state])  # the tree already has this state: the fork is surplus
             return InsertResult(end, False)
         node.state = state  # a new leaf, a split point, or a tombstone revived
         self._stateful.add(node)
@@ -320,48 +274,15 @@ class PrefixTree(PrefixCache):
     def evict(self, n: int) -> int:
         """Free at least n KV slots when that many are evictable (unlocked leaves in `eviction`
         order, each with its state, then tombstones left childless); returns the KV slots freed."""
-        if n <= 0:
-            return 0
-        order = itertools.count()  # tie-breaker: nodes themselves are not comparable
-        heap = [(self._priority(lf), next(order), lf) for lf in self._leaves if lf.lock_ref == 0]
-        heapq.heapify(heap)
-        kv: list[int] = []
-        states: list[int] = []
-        while len(kv) < n and heap:
-            up = self._remove_leaf(heapq.heappop(heap)[-1], kv, states)
-            if up is not None and up.lock_ref == 0:
-                heapq.heappush(heap, (self._priority(up), next(order), up))
-        self._release(kv, states)
-        return len(kv)
+        return tree_evict.evict(self, n)
 
     def evict_states(self, n: int) -> int:
         """Free up to n unlocked states in `state_policy` order; returns the number freed. An inner
         node keeps its KV as a tombstone; a leaf goes entirely (and tombstones it leaves childless)."""
-        if n <= 0 or not self.has_states:
-            return 0
-        cands = [nd for nd in self._stateful if nd.own_lock == 0]
-        ranked = state_eviction_order(
-            [c.state_access for c in cands], [c.depth for c in cands], self.state_policy, self.marconi_alpha
-        )
-        kv: list[int] = []
-        states: list[int] = []
-        for i in ranked[:n]:
-            node = cands[i]
-            if node.children:
-                assert node.state is not None
-                if self.on_remove is not None:
-                    self.on_remove(node.extra, _path_tokens(node), node.depth, [], node.state)
-                states.append(node.state)
-                node.state = None
-                self._stateful.discard(node)
-                self._state_evictable -= 1
-            else:
-                self._remove_leaf(node, kv, states)
-        self._release(kv, states)
-        return len(states)
+        return tree_evict.evict_states(self, n)
 
     def sanity_check(self) -> None:
-        from services.scheduler.cache.tree_check import check_tree
+        from services.scheduler.memory.tree_check import check_tree
 
         check_tree(self)
 
@@ -373,11 +294,6 @@ class PrefixTree(PrefixCache):
         if handle.evicted:
             raise ValueError("stale handle: its node was evicted (lock right after match)")
         return handle
-
-    def _priority(self, node: TreeNode) -> tuple[int, ...]:
-        if self.eviction == "lfu":
-            return (node.hits, node.last_access, -node.depth)
-        return (node.last_access, -node.depth)
 
     def _descend(self, root: TreeNode, tokens: array[int], n: int) -> tuple[TreeNode, int, TreeNode | None, int]:
         """Follow tokens[:n] (n page-aligned) without changing anything. Returns the deepest node
@@ -412,64 +328,3 @@ class PrefixTree(PrefixCache):
         while node.parent is not None:
             node.last_access = self._tick
             node = node.parent
-
-    def _remove_leaf(self, leaf: TreeNode, kv: list[int], states: list[int]) -> TreeNode | None:
-        """Remove an unlocked leaf, then every tombstone that this leaves childless, collecting
-        their KV and states. Returns the ancestor that became an evictable leaf, if any."""
-        node = leaf
-        while True:
-            parent = node.parent
-            assert parent is not None and not node.children and node.lock_ref == 0
-            if self._on_event is not None or self.on_remove is not None:
-                path = _path_tokens(node)
-                if self._on_event is not None:
-                    self._on_event(CacheEvent("evict", node.extra, len(path) - len(node.key), path))
-                if self.on_remove is not None:
-                    self.on_remove(node.extra, path, len(path) - len(node.key), node.value, node.state)
-            kv.extend(node.value)
-            if node.state is not None:
-                states.append(node.state)
-                self._stateful.discard(node)
-                self._state_evictable -= 1
-            del parent.children[child_key(node.key, 0, self.page_size)]
-            self._leaves.discard(node)
-            self._evictable -= len(node.key)
-            # Drop references so a stale handle pins no memory.
-            node.evicted, node.parent, node.key, node.value, node.state = True, None, array("i"), [], None
-            if parent.parent is None:
-                if not parent.children:
-                    del self._roots[parent.extra]
-                return None
-            if parent.children:
-                return None
-            self._leaves.add(parent)
-            if not self.has_states or parent.state is not None:
-                return parent
-            # A childless tombstone would be a leaf without a state. It cannot be locked: a lock
-            # sits at a node with a state, and every lock below it left with its child.
-            self._leaves.discard(parent)
-            node = parent
-
-    def _release(self, kv: list[int], states: list[int]) -> None:
-        if kv:
-            self._free_slots(kv)
-        if states:
-            assert self._free_states is not None
-            self._free_states(states)
-
-
-def _path_tokens(node: TreeNode) -> array[int]:
-    keys: list[array[int]] = []
-    cur: TreeNode | None = node
-    while cur is not None:
-        keys.append(cur.key)
-        cur = cur.parent
-    out = array("i")
-    for k in reversed(keys):
-        out.extend(k)
-    return out
-
-
-def _owned(part: Sequence[int]) -> list[int]:
-    # A slice of a list is already a fresh list; anything else is copied so the tree owns it.
-    return part if isinstance(part, list) else list(part)

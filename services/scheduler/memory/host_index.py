@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from services.scheduler.host_alloc import HostPageAllocator
+from services.scheduler.memory.host_alloc import HostPageAllocator
 
 
 @dataclass(slots=True)

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.scheduler.allocator import DoubleFreeError, _PageBitmap
+from services.common.step import STATES_PER_ROW
+from services.scheduler.memory.allocator import DoubleFreeError, _PageBitmap
 
-# The most Mamba slots one running request can pin at the same moment:
+# The most state slots one running request can pin at the same moment (``STATES_PER_ROW``):
 #   1. its own working state, which its forward passes update in place;
 #   2. the cached state it matched, locked until its copy-on-write into (1) has run;
 #   3. a fork of (1) it has allocated to donate to the tree as a checkpoint, before insert takes it.
-STATES_PER_RUNNING_REQUEST = 3
 
 
 def min_mamba_slots(max_running_requests: int) -> int:
@@ -31,7 +31,7 @@ def min_mamba_slots(max_running_requests: int) -> int:
     surplus is what the cache can keep."""
     if max_running_requests < 0:
         raise ValueError(f"max_running_requests must be >= 0, got {max_running_requests}")
-    return STATES_PER_RUNNING_REQUEST * max_running_requests
+    return STATES_PER_ROW * max_running_requests
 
 
 class MambaSlotAllocator:
@@ -54,7 +54,7 @@ class MambaSlotAllocator:
         if size < 0:
             raise ValueError(f"size must be >= 0, got {size}")
         # The same first-fit bitmap as KV pages: one byte per slot doubles as the ownership record.
-        self._slots = _PageBitmap(size)
+        self._slots = _PageBitmap(size, "state slot")
 
     @property
     def size(self) -> int:
@@ -100,4 +100,4 @@ class MambaSlotAllocator:
         self._slots.give_back(slots)
 
 
-__all__ = ["STATES_PER_RUNNING_REQUEST", "DoubleFreeError", "MambaSlotAllocator", "min_mamba_slots"]
+__all__ = ["DoubleFreeError", "MambaSlotAllocator", "min_mamba_slots"]
