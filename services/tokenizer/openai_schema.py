@@ -1,0 +1,275 @@
+"""OpenAI-compatible request bodies and their translation to ``strata.v1.GenerateRequest``.
+
+The bodies follow OpenAI's Chat Completions and Completions APIs, with the extras vLLM and SGLang
+accept (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
+``regex``, ``ebnf``, ``cache_salt``). Fields OpenAI defines but Strata cannot honour are refused
+with a message naming them rather than silently ignored; fields nobody defines are ignored, as
+OpenAI's clients send vendor extras freely.
+
+One body becomes one internal request per choice: a prompt list of P entries with ``n`` = N is
+P x N requests, choice index ``p * N + j``. Choices after the first get ``seed + j`` so that a
+seeded request with ``n > 1`` is reproducible without giving every choice the same sample.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from services.common.errors import InvalidArgument
+from services.common.step import MAX_TOP_LOGPROBS
+from strata.v1 import strata_pb2 as pb
+
+MAX_CHOICES = 64  # n x prompts per body: each is a full request on the scheduler
+
+# The legacy Completions API caps `logprobs` at 5; we allow what the sampler can return.
+_Role = Literal["system", "user", "assistant", "tool", "developer"]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    name: str = ""
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class ContentPart(_Body):
+    type: str
+    text: str = ""
+
+
+class ChatMessage(_Body):
+    role: _Role
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        for k, part in enumerate(self.content):
+            if part.type != "text":
+                raise InvalidArgument(
+                    f"messages[{index}].content[{k}].type: {part.type!r} is not supported; "
+                    "this model takes text parts only"
+                )
+        return "".join(part.text for part in self.content)
+
+
+class _Sampling(_Body):
+    """The fields both endpoints share."""
+
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**64)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM / SGLang extras
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list)
+    regex: str | None = None
+    ebnf: str | None = None
+    cache_salt: str = ""
+    request_id: str | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> _Sampling:
+        if self.logit_bias:
+            raise ValueError("logit_bias: not supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
+    def sampling(self, max_tokens: int | None) -> pb.SamplingParams:
+        s = pb.SamplingParams(
+            top_k=self.top_k,
+            min_p=self.min_p,
+            ignore_eos=self.ignore_eos,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            stop_token_ids=self.stop_token_ids,
+            stop=[self.stop] if isinstance(self.stop, str) else (self.stop or []),
+        )
+        if self.temperature is not None:
+            s.temperature = self.temperature
+        if self.top_p is not None:
+            s.top_p = self.top_p
+        if self.repetition_penalty is not None:
+            s.repetition_penalty = self.repetition_penalty
+        if max_tokens is not None:
+            if max_tokens < 1:
+                raise InvalidArgument(f"sampling.max_new_tokens: must be >= 1, got {max_tokens}")
+            s.max_new_tokens = max_tokens
+        return s
+
+    def constrain(self, req: pb.GenerateRequest, response_format: ResponseFormat | None) -> None:
+        kinds = []
+        if response_format is not None and response_format.type == "json_object":
+            kinds.append(("json_schema", '{"type": "object"}'))
+        if response_format is not None and response_format.type == "json_schema":
+            js = response_format.json_schema
+            if js is None or js.schema_ is None:
+                raise InvalidArgument("response_format.json_schema.schema: required for type json_schema")
+            kinds.append(("json_schema", json.dumps(js.schema_)))
+        if self.regex is not None:
+            kinds.append(("regex", self.regex))
+        if self.ebnf is not None:
+            kinds.append(("ebnf", self.ebnf))
+        if len(kinds) > 1:
+            raise InvalidArgument("response_format, regex, ebnf: at most one constraint per request")
+        for kind, value in kinds:
+            setattr(req, kind, value)
+
+    def fan_out(self, base: list[pb.GenerateRequest], request_id: str) -> list[pb.GenerateRequest]:
+        """One internal request per choice, ids ``<request_id>-<choice>``."""
+        out = []
+        for p, req in enumerate(base):
+            for j in range(self.n):
+                r = pb.GenerateRequest()
+                r.CopyFrom(req)
+                r.request_id = f"{request_id}-{p * self.n + j}"
+                if j and self.seed is not None:
+                    r.sampling.seed = (self.seed + j) % 2**64
+                out.append(r)
+        if len(out) > MAX_CHOICES:
+            raise InvalidArgument(f"n: prompts x n is {len(out)}, at most {MAX_CHOICES} choices per request")
+        return out
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _chat_rules(self) -> ChatCompletionRequest:
+        if self.tools:
+            raise ValueError("tools: tool calling is not supported")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs to be true")
+        return self
+
+    def requests(self, request_id: str) -> list[pb.GenerateRequest]:
+        req = pb.GenerateRequest(
+            sampling=self.sampling(self.max_completion_tokens or self.max_tokens),
+            cache_salt=self.cache_salt,
+            return_logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs or 0,
+            stream=True,
+        )
+        for i, m in enumerate(self.messages):
+            req.messages.messages.add(role="system" if m.role == "developer" else m.role, content=m.text(i))
+        self.constrain(req, self.response_format)
+        return self.fan_out([req], request_id)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for this endpoint
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _completion_rules(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo: not supported")
+        if self.suffix:
+            raise ValueError("suffix: not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: only best_of == n is supported")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise InvalidArgument("prompt: must not be empty")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def requests(self, request_id: str) -> list[pb.GenerateRequest]:
+        base = []
+        for prompt in self.prompts():
+            req = pb.GenerateRequest(
+                sampling=self.sampling(self.max_tokens),
+                cache_salt=self.cache_salt,
+                return_logprobs=self.logprobs is not None,
+                top_logprobs=self.logprobs or 0,
+                stream=True,
+            )
+            if isinstance(prompt, str):
+                req.text = prompt
+            else:
+                if any(i < 0 for i in prompt):
+                    raise InvalidArgument("prompt: token ids must be >= 0")
+                req.input_ids.ids.extend(prompt)
+            self.constrain(req, self.response_format)
+            base.append(req)
+        return self.fan_out(base, request_id)
+
+
+# Internal field paths (as validation names them) -> the parameter a client of this API sent.
+PARAM_NAMES: dict[str, str] = {
+    "sampling.max_new_tokens": "max_tokens",
+    "sampling.stop_token_ids": "stop_token_ids",
+    "sampling.stop": "stop",
+    "input.input_ids.ids": "prompt",
+    "input.text": "prompt",
+    "input.messages": "messages",
+    "constraint.json_schema": "response_format",
+    "constraint.regex": "regex",
+    "constraint.ebnf": "ebnf",
+    "sampling.": "",
+}
+
+
+def public_message(message: str, prompt_field: str) -> tuple[str, str | None]:
+    """Rewrite an internal ``field: reason`` message to name the API's parameter; returns the
+    message and the parameter (None when the message names none)."""
+    head, sep, rest = message.partition(": ")
+    if not sep or " " in head:
+        if head == "input" and sep:
+            return f"{prompt_field}: {rest}", prompt_field
+        return message, None
+    for internal, public in PARAM_NAMES.items():
+        if head.startswith(internal):
+            tail = head[len(internal) :]
+            name = (public + tail) if public else tail
+            if public in ("prompt", "messages"):
+                name = prompt_field + tail.replace(".content", "")
+            return f"{name}: {rest}", name.split("[")[0].split(".")[0]
+    return message, head.split("[")[0].split(".")[0]
