@@ -35,7 +35,11 @@ def _up(args: argparse.Namespace) -> int:
     if args.host_cache_bytes:  # the hierarchical cache: host pool (L2) and the kvstore shards (L3)
         worker_args += ("--host-cache-bytes", str(args.host_cache_bytes), "--l3", "true")
     try:
-        stack = supervisor.start_stack(model, args.port, run_dir, etcd=args.etcd, worker_args=worker_args)
+        tokenizer_args: tuple[str, ...] = ("--api-key", args.api_key) if args.api_key else ()
+        stack = supervisor.start_stack(
+            model, args.port, run_dir, etcd=args.etcd, worker_args=worker_args,
+            tokenizer_args=tokenizer_args, http_port=args.http_port,
+        )
     except supervisor.StartError as e:
         print(f"strata up: {e}", file=sys.stderr)
         return 1
@@ -46,6 +50,11 @@ def _up(args: argparse.Namespace) -> int:
             generate_text(address, args.example, max_new_tokens=24, temperature=0.0, out=sys.stdout)
         except Exception as e:  # the stack keeps serving; the user sees why the example failed
             print(f"example request failed: {e}", file=sys.stderr)
+    http = stack.child("tokenizer").extra.get("http")
+    if http:
+        print(f"\nOpenAI-compatible API: http://{http}/v1 (model {model.name!r}), e.g.\n"
+              f"  curl http://{http}/v1/completions -H 'content-type: application/json' "
+              f"-d '{{\"model\": \"{model.name}\", \"prompt\": \"The cache\", \"max_tokens\": 16}}'")
     print(f"\nStrata is serving strata.v1.Strata on {address}. Ctrl-C stops all services.", flush=True)
     return supervisor.supervise(stack)
 
@@ -98,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start etcd and all services on loopback")
     up.add_argument("--model", required=True, help="Hugging Face model directory")
     up.add_argument("--port", type=int, default=50051, help="public port of strata.v1.Strata")
+    up.add_argument("--http-port", type=int, default=8000,
+                    help="OpenAI-compatible HTTP port (0 = off, -1 = pick a free one)")
+    up.add_argument("--api-key", default="", help="API keys (comma-separated) required by /v1/* and gRPC")
     up.add_argument("--etcd", default="", help="use this etcd endpoint instead of starting one")
     up.add_argument("--kv-cache-bytes", type=int, default=64 * 1024 * 1024, help="worker KV pool bytes")
     up.add_argument("--host-cache-bytes", type=int, default=256 * 1024 * 1024,

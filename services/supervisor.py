@@ -32,6 +32,7 @@ class Child:
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
     address: str = ""
+    extra: dict[str, str] = field(default_factory=dict)  # key=value fields of the READY line
     _offset: int = 0  # where this start's output begins in the (appended) log
 
     def start(self, env: dict[str, str]) -> None:
@@ -50,7 +51,9 @@ class Child:
                 lines = f.read().decode(errors="replace").splitlines()
             for line in lines:
                 if line.startswith(f"READY {self.name} "):
-                    self.address = line.split()[2]
+                    words = line.split()
+                    self.address = words[2]
+                    self.extra = dict(w.split("=", 1) for w in words[3:] if "=" in w)
                     return self.address
             assert self.proc is not None
             if self.proc.poll() is not None:
@@ -112,6 +115,8 @@ def start_stack(
     scheduler_args: tuple[str, ...] = (),
     common_args: tuple[str, ...] = (),
     kvstore_args: tuple[str, ...] = (),
+    tokenizer_args: tuple[str, ...] = (),
+    http_port: int = 0,
     timeout_s: float = 120.0,
     say: Callable[[str], None] = print,
 ) -> Stack:
@@ -138,7 +143,8 @@ def start_stack(
             ("scheduler", [*_module("scheduler"), "--tokenizer", str(model), *e, *common_args, *scheduler_args]),
             (
                 "tokenizer",
-                [*_module("tokenizer"), "--model", str(model), "--port", str(port), *e, *common_args],
+                [*_module("tokenizer"), "--model", str(model), "--port", str(port),
+                 "--http-port", str(http_port), *e, *common_args, *tokenizer_args],
             ),
         ]
         for name, argv in specs:
@@ -147,6 +153,8 @@ def start_stack(
             child.start(env)
             address = child.wait_ready(timeout_s)
             say(f"{name:<10} {address}   (log: {child.log_path})")
+            if "http" in child.extra:
+                say(f"{'http':<10} http://{child.extra['http']}/v1   (OpenAI-compatible)")
     except BaseException:
         stack.stop()
         raise

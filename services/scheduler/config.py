@@ -34,6 +34,9 @@ class SchedulerConfig:
     policy: Literal["fcfs", "lpm"] = field(default="fcfs", metadata=_h("admission order"))
     max_prefill_tokens: int = field(default=1024, metadata=_h("prompt tokens per step (chunk budget)"))
     max_running: int = field(default=256, metadata=_h("requests running at once"))
+    max_waiting: int = field(
+        default=4096, metadata=_h("requests queued for admission; more are refused (RESOURCE_EXHAUSTED); 0 = no limit")
+    )
     worker_wait_s: float = field(default=30.0, metadata=_h("how long a request waits for a worker"))
     overlap: bool = field(default=True, metadata=_h("plan the next step while the worker runs this one"))
     mamba_policy: Literal["marconi", "lru"] = field(
@@ -80,6 +83,8 @@ class SchedulerConfig:
             raise ConfigError("max_prefill_tokens: must be >= 1")
         if self.max_running < 1:
             raise ConfigError("max_running: must be >= 1")
+        if self.max_waiting < 0:
+            raise ConfigError("max_waiting: must be >= 0 (0 = no limit)")
         if min(self.elastic_budget_bytes, self.elastic_idle_s, self.elastic_min_kv_slots) < 0:
             raise ConfigError("elastic_budget_bytes, elastic_idle_s and elastic_min_kv_slots: must be >= 0")
         if self.elastic_shared_budget and not (self.etcd and self.elastic_budget_bytes):
@@ -100,6 +105,7 @@ class SchedulerConfig:
             policy=self.policy,
             max_prefill_tokens=self.max_prefill_tokens,
             max_running=self.max_running,
+            max_waiting=self.max_waiting,
             worker_wait_s=self.worker_wait_s,
             check_invariants=self.check_invariants,
             overlap=self.overlap,

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.common.errors import ResourceExhausted, Unavailable
+from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from services.common.step import WorkerInfo
 from services.common.validation import Limits
 from services.scheduler.batcher import Batcher, BatchLimits, Plan
@@ -40,6 +40,7 @@ class LoopConfig:
     policy: str = "fcfs"  # "fcfs" | "lpm" (longest prefix match first)
     max_prefill_tokens: int = 1024
     max_running: int = 256
+    max_waiting: int = 4096  # 0 = no limit
     worker_wait_s: float = 30.0
     check_invariants: bool = True
     overlap: bool = True  # plan step N+1 while the worker runs step N
@@ -144,10 +145,16 @@ class SchedulerLoop:
             raise Unavailable("no worker connected")
         need = len(req.prompt) + req.gen.max_new_tokens - 1
         pool = info.max_slots if self.batcher.elastic is not None else info.num_slots
-        if need > pool:
+        if need > pool:  # no wait would help: the request is too large for this worker
+            field = "input" if len(req.prompt) > pool else "sampling.max_new_tokens"
+            raise InvalidArgument(
+                f"{field}: the request needs up to {need} KV slots (prompt {len(req.prompt)} + "
+                f"max_new_tokens {req.gen.max_new_tokens}) but the worker's pool has {pool}"
+            )
+        if self.cfg.max_waiting and len(self.batcher.waiting) >= self.cfg.max_waiting:
             raise ResourceExhausted(
-                f"the request needs up to {need} KV slots (prompt {len(req.prompt)} + max_new_tokens "
-                f"{req.gen.max_new_tokens}) but the worker's pool has {pool}"
+                f"the scheduler is shedding load: {len(self.batcher.waiting)} requests are waiting "
+                f"(max_waiting {self.cfg.max_waiting}); retry later"
             )
         self.requests[req.rid] = req
         self.counters.prompt_tokens += len(req.prompt)

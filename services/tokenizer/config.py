@@ -18,6 +18,9 @@ class TokenizerConfig:
     model_name: str = field(default="", metadata=_h("served model name; empty = directory name"))
     host: str = field(default="127.0.0.1", metadata=_h("address to listen on"))
     port: int = field(default=50051, metadata=_h("public port; 0 picks a free one"))
+    http_port: int = field(default=8000, metadata=_h("OpenAI-compatible HTTP port; 0 = off, -1 = pick a free one"))
+    api_key: str = field(default="", metadata=_h("API keys (comma-separated) required on /v1/* and gRPC; empty = none"))
+    api_key_file: str = field(default="", metadata=_h("a file of API keys, one per line"))
     instance_id: str = field(default="", metadata=_h("etcd instance id; empty = tokenizer-<port>"))
     etcd: str = field(default="", metadata=_h("etcd endpoint host:port; empty = use --scheduler"))
     scheduler: str = field(default="", metadata=_h("a fixed scheduler address instead of discovery"))
@@ -32,3 +35,5 @@ class TokenizerConfig:
             raise ConfigError("model: a Hugging Face model directory is required")
         if not self.etcd and not self.scheduler:
             raise ConfigError("etcd or scheduler: one is needed to find a scheduler")
+        if not -1 <= self.http_port <= 65535:
+            raise ConfigError(f"http_port: must be -1 (pick), 0 (off) or a port, got {self.http_port}")

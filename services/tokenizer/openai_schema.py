@@ -119,6 +119,8 @@ class _Sampling(_Body):
             s.temperature = self.temperature
         if self.top_p is not None:
             s.top_p = self.top_p
+        if self.seed is not None:
+            s.seed = self.seed
         if self.repetition_penalty is not None:
             s.repetition_penalty = self.repetition_penalty
         if max_tokens is not None:
@@ -262,14 +264,16 @@ def public_message(message: str, prompt_field: str) -> tuple[str, str | None]:
     message and the parameter (None when the message names none)."""
     head, sep, rest = message.partition(": ")
     if not sep or " " in head:
-        if head == "input" and sep:
-            return f"{prompt_field}: {rest}", prompt_field
         return message, None
-    for internal, public in PARAM_NAMES.items():
-        if head.startswith(internal):
-            tail = head[len(internal) :]
-            name = (public + tail) if public else tail
-            if public in ("prompt", "messages"):
-                name = prompt_field + tail.replace(".content", "")
-            return f"{name}: {rest}", name.split("[")[0].split(".")[0]
-    return message, head.split("[")[0].split(".")[0]
+    name = head
+    if head == "input":
+        name = prompt_field
+    else:
+        for internal, public in PARAM_NAMES.items():
+            if head.startswith(internal):
+                tail = head[len(internal) :]
+                if public in ("prompt", "messages"):
+                    public = prompt_field
+                name = public + tail
+                break
+    return f"{name}: {rest}", name.split("[")[0].split(".")[0]

@@ -12,6 +12,7 @@ from services.common import telemetry
 from services.common.discovery import Discovery
 from services.common.errors import Unavailable
 from services.common.server import CHANNEL_OPTIONS
+from strata.scheduler.v1 import scheduler_pb2 as spb
 from strata.scheduler.v1 import scheduler_pb2_grpc as sgrpc
 
 
@@ -43,6 +44,17 @@ class Router:
             await asyncio.sleep(0.2)
         address = addresses[next(self._rr) % len(addresses)]
         return address, self.stub(address)
+
+    async def ready(self, timeout_s: float = 1.0) -> bool:
+        """Whether some scheduler answers with at least one worker connected (``/health``)."""
+        for address in self._addresses():
+            try:
+                load = await self.stub(address).GetLoad(spb.GetLoadRequest(), timeout=timeout_s)
+            except grpc.aio.AioRpcError:
+                continue
+            if load.workers > 0:
+                return True
+        return False
 
     def stub(self, address: str) -> sgrpc.SchedulerStub:
         if address not in self._channels:

@@ -13,13 +13,16 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from services.common import telemetry, validation
+from services.common.auth import ApiKeys, AuthInterceptor
 from services.common.discovery import ModelRegistry, Registration, ServiceRecord
 from services.common.errors import InvalidArgument, StrataError
 from services.common.metrics import MetricFactory, start_metrics_server
 from services.common.server import Server, run_service
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.http_server import HttpServer
 from services.tokenizer.model_files import ModelCard, load_tokenizer, read_card
+from services.tokenizer.openai_api import OpenAIFront
 from services.tokenizer.router import Router
 from strata.scheduler.v1 import scheduler_pb2 as spb
 from strata.v1 import strata_pb2 as pb
@@ -30,7 +33,7 @@ log = logging.getLogger(__name__)
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 
-class _Relay(StrataError):
+class Relay(StrataError):
     """A scheduler's error status, passed on unchanged."""
 
     def __init__(self, err: grpc.aio.AioRpcError) -> None:
@@ -78,7 +81,7 @@ class StrataServicer(pgrpc.StrataServicer):
         self._running: dict[str, str] = {}  # request id -> scheduler address
 
     # -- helpers --------------------------------------------------------------------------------
-    def _decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)  # type: ignore[attr-defined]
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
@@ -113,6 +116,12 @@ class StrataServicer(pgrpc.StrataServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        async for resp in self.generate(request):
+            yield resp
+
+    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """The one path of every generation request, gRPC and HTTP: validate, tokenize, route,
+        detokenize. Raises ``StrataError`` subclasses (a scheduler's status as ``Relay``)."""
         rid = request.request_id or uuid.uuid4().hex
         validation.check_request_id(rid)
         validation.check_cache_salt(request.cache_salt)
@@ -132,7 +141,7 @@ class StrataServicer(pgrpc.StrataServicer):
         if kind:
             setattr(sreq.constraint, kind, getattr(request, kind))
         address, stub = await self.router.pick()
-        detok = IncrementalDetokenizer(self._decode, gen.stop, prompt_tail=ids)
+        detok = IncrementalDetokenizer(self.decode, gen.stop, prompt_tail=ids)
         all_ids: list[int] = []
         all_text: list[str] = []
         all_lps: list[pb.TokenLogprob] = []
@@ -188,7 +197,7 @@ class StrataServicer(pgrpc.StrataServicer):
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.CANCELLED and detok.stopped:
                 return
-            raise _Relay(e) from e
+            raise Relay(e) from e
         finally:
             self._running.pop(rid, None)
             call.cancel()
@@ -246,7 +255,8 @@ async def serve(cfg: TokenizerConfig, stop: asyncio.Event) -> None:
             fingerprint = rec.fingerprint if rec is not None else ""
     router = Router(cfg.scheduler, cfg.etcd, card.name, cfg.scheduler_wait_s)
     await router.start()
-    server = Server(telemetry.server_interceptors())
+    keys = ApiKeys.load(cfg.api_key, cfg.api_key_file)
+    server = Server([*telemetry.server_interceptors(), AuthInterceptor(keys)])
     registry = CollectorRegistry()
     servicer = StrataServicer(tok, card, router, fingerprint, TokenizerMetrics(registry))
     server.add(pgrpc.add_StrataServicer_to_server, servicer, "strata.v1.Strata")
@@ -254,14 +264,26 @@ async def serve(cfg: TokenizerConfig, stop: asyncio.Event) -> None:
     address = f"{cfg.host}:{port}"
     if cfg.metrics_port >= 0:
         start_metrics_server(cfg.metrics_port, registry)
+    http = None
+    ready_line = f"READY tokenizer {address}"
+    if cfg.http_port:
+        front = OpenAIFront(
+            servicer.generate, servicer.decode, card.name, card.context_length, keys, registry, router.ready
+        )
+        http = HttpServer(front.app(), cfg.host, max(cfg.http_port, 0))
+        await http.start()
+        ready_line += f" http={cfg.host}:{http.port}"
+        log.info("tokenizer serving the OpenAI-compatible API on http://%s:%d/v1", cfg.host, http.port)
     registration = None
     if cfg.etcd:
         record = ServiceRecord("tokenizer", cfg.instance_id or f"tokenizer-{port}", address, card.name)
         registration = Registration(cfg.etcd, record)
         await registration.start()
     log.info("tokenizer serving strata.v1.Strata on %s", address)
-    print(f"READY tokenizer {address}", flush=True)
+    print(ready_line, flush=True)
     await stop.wait()
+    if http is not None:
+        await http.stop()
     if registration is not None:
         await registration.stop()
     await server.stop()
