@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.etcd_proc import EtcdProcess, free_port
+from services.common.etcd_proc import EtcdProcess, die_with_parent, free_port
 
 
 class StartError(RuntimeError):
@@ -39,7 +39,8 @@ class Child:
         self._offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child process
         self.proc = subprocess.Popen(
-            self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         log.close()
 
@@ -132,7 +133,9 @@ def start_stack(
             # A fresh member each time: a reused data dir would bring back the last run's
             # registrations (with dead addresses) until their leases expire.
             shutil.rmtree(run_dir / "etcd-data", ignore_errors=True)
-            stack.etcd = EtcdProcess(run_dir / "etcd-data", client_port=free_port(), peer_port=free_port())
+            stack.etcd = EtcdProcess(
+                run_dir / "etcd-data", client_port=free_port(), peer_port=free_port(), tied=True
+            )
             stack.etcd.start()
             stack.etcd_endpoint = stack.etcd.endpoint
         say(f"etcd       {stack.etcd_endpoint}")
@@ -152,7 +155,8 @@ def start_stack(
             stack.children.append(child)
             child.start(env)
             address = child.wait_ready(timeout_s)
-            say(f"{name:<10} {address}   (log: {child.log_path})")
+            metrics = f"   metrics http://{child.extra['metrics']}/metrics" if "metrics" in child.extra else ""
+            say(f"{name:<10} {address}{metrics}   (log: {child.log_path})")
             if "http" in child.extra:
                 say(f"{'http':<10} http://{child.extra['http']}/v1   (OpenAI-compatible)")
     except BaseException:

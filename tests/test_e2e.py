@@ -220,6 +220,12 @@ def test_one_trace_id_across_services(api: pgrpc.StrataStub, stack: Stack) -> No
         time.sleep(0.2)
     # The scheduler asks the kvstore shards (L3) for the prompt's pages at admission.
     assert {"tokenizer", "scheduler", "worker", "kvstore"} <= services, services
+    # Every scheduler Generate span hangs under an exported tokenizer span, also for requests that
+    # ended early (a stop string cancels the scheduler's stream; earlier tests sent some).
+    ids = {s["span_id"] for s in spans}
+    generates = [s for s in spans if s["name"] == "/strata.scheduler.v1.Scheduler/Generate" and s["kind"] == "SERVER"]
+    orphans = [s for s in generates if s["parent_id"] not in ids]
+    assert len(generates) > 5 and not orphans, orphans[:2]
 
 
 def test_worker_killed_leaves_discovery_and_restart_is_used(stack: Stack, api: pgrpc.StrataStub) -> None:

@@ -8,6 +8,7 @@ same cluster with its keys and leases, which is how tests simulate an etcd outag
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import shutil
@@ -25,6 +26,18 @@ log = logging.getLogger(__name__)
 DEBIAN_ETCD = Path("/usr/bin/etcd")
 _LOG_TAIL_BYTES = 4000
 
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+def die_with_parent() -> None:
+    """In a child between fork and exec: ask Linux to SIGTERM it when its parent dies, so services
+    started by ``strata up`` end with it even when it is SIGKILLed (no-op where prctl is absent)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
 
 class EtcdError(RuntimeError):
     """etcd could not be found, started or stopped."""
@@ -59,9 +72,17 @@ class EtcdProcess:
     """
 
     def __init__(
-        self, data_dir: Path | str, client_port: int, peer_port: int, log_path: Path | str | None = None
+        self,
+        data_dir: Path | str,
+        client_port: int,
+        peer_port: int,
+        log_path: Path | str | None = None,
+        tied: bool = False,
     ) -> None:
+        """``tied``: etcd gets SIGTERM when the thread that starts it exits (``die_with_parent``);
+        for ``strata up``, whose main thread lives as long as the stack."""
         self.data_dir = Path(data_dir)
+        self.tied = tied
         self.client_port = client_port
         self.peer_port = peer_port
         self.log_path = Path(log_path) if log_path is not None else Path(f"{self.data_dir}.log")
@@ -108,6 +129,7 @@ class EtcdProcess:
             stderr=subprocess.STDOUT,
             # Own process group: a Ctrl-C aimed at `strata up` is handled by us, which stops etcd last.
             start_new_session=True,
+            preexec_fn=die_with_parent if self.tied else None,
         )
         log.info("etcd starting endpoint=%s data_dir=%s", self.endpoint, self.data_dir)
         deadline = time.monotonic() + timeout

@@ -23,14 +23,33 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+    start_http_server,
+)
 
 log = logging.getLogger(__name__)
+
+# Counters and histograms would each carry a `_created` timestamp series beside `_total`; scrapers
+# show it as a duplicate metric and no Strata dashboard uses it.
+disable_created_metrics()
 
 # Step and request latencies in seconds: sub-millisecond CPU steps up to multi-second prefills.
 STEP_BUCKETS_S: tuple[float, ...] = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
+
+# Per-request latencies (queue time, TTFT, end to end): milliseconds to minutes.
+REQUEST_BUCKETS_S: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
+)  # fmt: skip
+# Prompt and generation lengths in tokens.
+LENGTH_BUCKETS: tuple[float, ...] = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,16 +74,24 @@ class MetricFactory:
         return Histogram(self._name(name), doc, labelnames=labels, buckets=buckets, registry=self.registry)
 
 
-def start_metrics_server(port: int, registry: CollectorRegistry) -> int:
-    """Serve ``registry`` at ``http://127.0.0.1:<port>/metrics`` from a daemon thread.
+def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "127.0.0.1") -> int:
+    """Serve ``registry`` at ``http://<host>:<port>/metrics`` from a daemon thread.
 
     ``port`` 0 picks a free port. Returns the bound port. Raises ``OSError`` if the port is taken.
     The server lives as long as the process (services never stop it before exiting).
     """
-    httpd, _thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    httpd, _thread = start_http_server(port, addr=host, registry=registry)
     bound: int = httpd.server_port
-    log.info("metrics at http://127.0.0.1:%d/metrics", bound)
+    log.info("metrics at http://%s:%d/metrics", host, bound)
     return bound
+
+
+def serve_metrics(port: int, host: str, registry: CollectorRegistry) -> str:
+    """Start the metrics endpoint unless ``port`` is -1; returns the ``metrics=host:port`` field a
+    service adds to its READY line (the supervisor lists it), or ``""`` when off."""
+    if port < 0:
+        return ""
+    return f" metrics={host}:{start_metrics_server(port, registry, host)}"
 
 
 def render(registry: CollectorRegistry) -> str:

@@ -29,6 +29,10 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_timeout_ms", 5_000),
 ]
 
+# No SO_REUSEPORT: gRPC sets it by default, which lets a second server bind a port in use and
+# share its traffic silently; without it a taken port is an error at start.
+SERVER_OPTIONS: list[tuple[str, Any]] = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+
 
 class Server:
     """A grpc.aio server with Strata's interceptors, health and reflection.
@@ -40,7 +44,7 @@ class Server:
     def __init__(self, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
         # Telemetry first so error statuses are recorded on the span; errors innermost.
         self._server = grpc.aio.server(
-            interceptors=[*interceptors, ErrorInterceptor()], options=CHANNEL_OPTIONS
+            interceptors=[*interceptors, ErrorInterceptor()], options=SERVER_OPTIONS
         )
         self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

@@ -20,7 +20,7 @@ from services.common import telemetry
 from services.common.discovery import Registration as EtcdRegistration
 from services.common.discovery import ServiceRecord
 from services.common.errors import InvalidArgument
-from services.common.metrics import MetricFactory, start_metrics_server
+from services.common.metrics import MetricFactory, serve_metrics
 from services.common.server import Server, run_service
 from services.kvstore.backends import Backend, FileBackend, MemoryBackend, check_keys
 from services.kvstore.config import KVStoreConfig
@@ -178,14 +178,13 @@ async def serve(cfg: KVStoreConfig, stop: asyncio.Event, registration: Registrat
     exporter = cast(Any, cfg.trace_exporter)
     telemetry.setup_tracing("kvstore", exporter, cfg.trace_target.replace("{service}", "kvstore"))
     server, servicer = build_server(cfg, telemetry.server_interceptors())
-    if cfg.metrics_port >= 0:
-        start_metrics_server(cfg.metrics_port, _metrics(servicer.backend))
+    metrics = serve_metrics(cfg.metrics_port, cfg.host, _metrics(servicer.backend))
     port = await server.start(f"{cfg.host}:{cfg.port}")
     log.info("kvstore serving on %s:%d (%s, %d bytes)", cfg.host, port, cfg.backend, cfg.capacity_bytes)
     try:
         async with registration(cfg, port) if registration else contextlib.nullcontext():
             # The supervisor (`strata up`) waits for this line on stdout.
-            print(f"READY kvstore {cfg.host}:{port}", flush=True)
+            print(f"READY kvstore {cfg.host}:{port}{metrics}", flush=True)
             await stop.wait()
     finally:
         await server.stop()

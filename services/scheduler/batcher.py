@@ -13,6 +13,7 @@ Order of a plan:
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -89,6 +90,7 @@ class Batcher:
         self.cached_tokens = 0  # Σ prompt tokens reused on first admission
         self.prompt_tokens = 0  # Σ prompt tokens on first admission
         self.held_back = 0  # admissions deferred to wait for a sibling's prefix
+        self.queue_waits: list[float] = []  # seconds from submit to first admission; metrics drain it
         self.late_masks_sent = 0  # grammar masks sent after their step (overlap with grammars)
 
     @property
@@ -196,6 +198,7 @@ class Batcher:
                 req.cached_tokens = matched
                 self.cached_tokens += matched
                 self.prompt_tokens += len(req.prompt)
+                self.queue_waits.append(time.monotonic() - req.arrived)
                 req.first_admission = False
             self.running.append(req)
             inputs.append((req, chunk))

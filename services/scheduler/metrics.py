@@ -7,7 +7,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter
 
-from services.common.metrics import MetricFactory
+from services.common.metrics import REQUEST_BUCKETS_S, MetricFactory
 from services.common.step import StepResult
 from services.scheduler.batcher import Batcher, Plan
 
@@ -29,6 +29,9 @@ class SchedulerMetrics:
         self.retractions = m.counter("retractions", "Requests preempted to free KV memory.")
         self.evicted_slots = m.counter("evicted_slots", "KV slots evicted from the prefix cache.")
         self.step_seconds = m.histogram("step_seconds", "Wall time of one step as seen by the scheduler.")
+        self.queue_seconds = m.histogram(
+            "queue_seconds", "Time from a request's arrival to its first admission.", buckets=REQUEST_BUCKETS_S
+        )
         self.worker_forward_seconds = m.histogram(
             "worker_forward_seconds", "Forward time reported by the worker."
         )
@@ -72,6 +75,9 @@ class SchedulerMetrics:
         self._last_mamba = self._count(self.mamba_events, stats.get("state_events", {}), self._last_mamba)
         self._last_hi = self._count(self.hicache_events, stats.get("host_events", {}), self._last_hi)
         self.generated_tokens.inc(len(result.outputs))
+        for wait in batcher.queue_waits:
+            self.queue_seconds.observe(wait)
+        batcher.queue_waits.clear()
         self.step_seconds.observe(step_s)
         self.worker_forward_seconds.observe(result.forward_s)
         self._tokens_since_log += len(result.outputs)

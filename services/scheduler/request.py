@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,7 @@ class Req:
     seed: int
     cache_salt: str = ""
     trace_context: dict[str, str] = field(default_factory=dict)
+    arrived: float = field(default_factory=time.monotonic)  # when submitted (queue-time metric)
     grammar: Any = None  # a compiled matcher (grammar issue); None = unconstrained
     output: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)

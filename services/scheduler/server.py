@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from services.common import step_codec, telemetry, validation
 from services.common.discovery import Discovery, Registration, ServiceRecord
 from services.common.errors import AlreadyExists, FailedPrecondition
-from services.common.metrics import start_metrics_server
+from services.common.metrics import serve_metrics
 from services.common.server import Server, run_service
 from services.scheduler.budget_ledger import BudgetLedger
 from services.scheduler.config import SchedulerConfig
@@ -206,8 +206,7 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event, ready: asyncio.Event 
     server.add(sgrpc.add_SchedulerServicer_to_server, servicer, "strata.scheduler.v1.Scheduler")
     port = await server.start(f"{cfg.host}:{cfg.port}")
     address = f"{cfg.host}:{port}"
-    if cfg.metrics_port >= 0:
-        start_metrics_server(cfg.metrics_port, registry)
+    metrics = serve_metrics(cfg.metrics_port, cfg.host, registry)
     registration = None
     if cfg.etcd:
         record = ServiceRecord("scheduler", cfg.instance_id or f"scheduler-{port}", address, model=cfg.model)
@@ -218,7 +217,7 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event, ready: asyncio.Event 
         asyncio.create_task(_manage_workers(cfg, loop, stop), name="worker watcher"),
     ]
     log.info("scheduler serving on %s", address)
-    print(f"READY scheduler {address}", flush=True)
+    print(f"READY scheduler {address}{metrics}", flush=True)
     if ready is not None:
         ready.set()
     stopped = asyncio.create_task(stop.wait())

@@ -8,7 +8,6 @@ import time
 
 import grpc
 
-from services.common import telemetry
 from services.common.discovery import Discovery
 from services.common.errors import Unavailable
 from services.common.server import CHANNEL_OPTIONS
@@ -58,9 +57,8 @@ class Router:
 
     def stub(self, address: str) -> sgrpc.SchedulerStub:
         if address not in self._channels:
-            channel = grpc.aio.insecure_channel(
-                address, options=CHANNEL_OPTIONS, interceptors=telemetry.client_interceptors()
-            )
+            # No tracing interceptor: the tokenizer opens its own CLIENT span per Generate call.
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
             self._channels[address] = (channel, sgrpc.SchedulerStub(channel))
         return self._channels[address][1]
 

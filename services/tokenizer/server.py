@@ -10,13 +10,14 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import grpc
+from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 from prometheus_client import CollectorRegistry
 
 from services.common import telemetry, validation
 from services.common.auth import ApiKeys, AuthInterceptor
 from services.common.discovery import ModelRegistry, Registration, ServiceRecord
 from services.common.errors import InvalidArgument, StrataError
-from services.common.metrics import MetricFactory, start_metrics_server
+from services.common.metrics import LENGTH_BUCKETS, REQUEST_BUCKETS_S, MetricFactory, serve_metrics
 from services.common.server import Server, run_service
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.detokenizer import IncrementalDetokenizer
@@ -29,6 +30,7 @@ from strata.v1 import strata_pb2 as pb
 from strata.v1 import strata_pb2_grpc as pgrpc
 
 log = logging.getLogger(__name__)
+_tracer = telemetry.get_tracer(__name__)
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 
@@ -42,25 +44,40 @@ class Relay(StrataError):
 
 
 class TokenizerMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    """Per-request metrics of the public API (gRPC and HTTP alike), labelled by served model."""
+
+    def __init__(self, registry: CollectorRegistry, model: str) -> None:
         m = MetricFactory(registry, "tokenizer")
-        self.requests = m.counter("requests", "Generate requests finished, by finish reason.", ["reason"])
-        self.prompt_tokens = m.counter("prompt_tokens", "Prompt tokens of finished requests.")
-        self.cached_tokens = m.counter("cached_tokens", "Prompt tokens served from a cache.")
-        self.completion_tokens = m.counter("completion_tokens", "Tokens generated.")
-        self.ttft_seconds = m.histogram("ttft_seconds", "Time to first token.")
-        self.latency_seconds = m.histogram("latency_seconds", "Time from request to last token.")
+        M = ["model_name"]
+        self.requests = m.counter("requests", "Requests finished, by finish reason.", [*M, "finish_reason"])
+        self.prompt_tokens = m.counter("prompt_tokens", "Prompt tokens of finished requests.", M)
+        self.cached_tokens = m.counter("cached_tokens", "Prompt tokens served from a cache.", M)
+        self.completion_tokens = m.counter("completion_tokens", "Tokens generated.", M)
+        self.ttft_seconds = m.histogram("ttft_seconds", "Time to first token.", M, REQUEST_BUCKETS_S)
+        self.itl_seconds = m.histogram("inter_token_latency_seconds", "Time between output tokens.", M)
+        self.latency_seconds = m.histogram("e2e_latency_seconds", "Request to last token.", M, REQUEST_BUCKETS_S)
+        self.prompt_len = m.histogram("request_prompt_tokens", "Prompt length per request.", M, LENGTH_BUCKETS)
+        self.output_len = m.histogram("request_generation_tokens", "Output length per request.", M, LENGTH_BUCKETS)
+        self.model = model
+
+    def tokens(self, n: int, gap_s: float) -> None:
+        """``n`` tokens arrived ``gap_s`` after the previous ones."""
+        if n > 0:
+            self.itl_seconds.labels(self.model).observe(gap_s / n)
 
     def finished(self, last: pb.GenerateResponse, t0: float, first: float | None) -> None:
         name = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
-        self.requests.labels(name).inc()
-        self.prompt_tokens.inc(last.usage.prompt_tokens)
-        self.cached_tokens.inc(last.usage.cached_tokens)
-        self.completion_tokens.inc(last.usage.completion_tokens)
+        model = self.model
+        self.requests.labels(model, name).inc()
+        self.prompt_tokens.labels(model).inc(last.usage.prompt_tokens)
+        self.cached_tokens.labels(model).inc(last.usage.cached_tokens)
+        self.completion_tokens.labels(model).inc(last.usage.completion_tokens)
+        self.prompt_len.labels(model).observe(last.usage.prompt_tokens)
+        self.output_len.labels(model).observe(last.usage.completion_tokens)
         now = time.perf_counter()
         if first is not None:
-            self.ttft_seconds.observe(first - t0)
-        self.latency_seconds.observe(now - t0)
+            self.ttft_seconds.labels(model).observe(first - t0)
+        self.latency_seconds.labels(model).observe(now - t0)
 
 
 class StrataServicer(pgrpc.StrataServicer):
@@ -146,14 +163,26 @@ class StrataServicer(pgrpc.StrataServicer):
         all_text: list[str] = []
         all_lps: list[pb.TokenLogprob] = []
         completion = 0
-        call = stub.Generate(sreq)
+        # Our own CLIENT span, ended below whatever way the stream ends (an interceptor's span stays
+        # open when the tokenizer stops reading early, and the scheduler's span loses its parent).
+        span = _tracer.start_span(
+            "/strata.scheduler.v1.Scheduler/Generate",
+            kind=SpanKind.CLIENT,
+            attributes={"rpc.system": "grpc", "strata.request_id": rid, "server.address": address},
+        )
+        trace_md = tuple(telemetry.inject_context(set_span_in_context(span)).items())
+        call = stub.Generate(sreq, metadata=trace_md)
         self._running[rid] = address
         t0, first = time.perf_counter(), None
+        previous = t0
         try:
             async for resp in call:
                 final = pb.GenerateResponse(request_id=rid)
                 if resp.token_ids:
-                    first = first or time.perf_counter()
+                    now = time.perf_counter()
+                    if first is not None and self.metrics is not None:
+                        self.metrics.tokens(len(resp.token_ids), now - previous)
+                    first, previous = first or now, now
                     chunk = detok.feed(resp.token_ids)
                     final.token_ids.extend(resp.token_ids)
                     final.logprobs.extend(resp.logprobs)
@@ -197,10 +226,12 @@ class StrataServicer(pgrpc.StrataServicer):
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.CANCELLED and detok.stopped:
                 return
+            span.set_status(Status(StatusCode.ERROR, f"{e.code().name}: {e.details()}"))
             raise Relay(e) from e
         finally:
             self._running.pop(rid, None)
             call.cancel()
+            span.end()
 
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
@@ -223,7 +254,9 @@ class StrataServicer(pgrpc.StrataServicer):
         address = self._running.get(request.request_id)
         if address is None:
             return pb.AbortResponse(aborted=False)
-        resp = await self.router.stub(address).Abort(spb.AbortRequest(request_id=request.request_id))
+        resp = await self.router.stub(address).Abort(
+            spb.AbortRequest(request_id=request.request_id), metadata=tuple(telemetry.inject_context().items())
+        )
         return pb.AbortResponse(aborted=resp.aborted)
 
     async def GetModelInfo(
@@ -258,14 +291,12 @@ async def serve(cfg: TokenizerConfig, stop: asyncio.Event) -> None:
     keys = ApiKeys.load(cfg.api_key, cfg.api_key_file)
     server = Server([*telemetry.server_interceptors(), AuthInterceptor(keys)])
     registry = CollectorRegistry()
-    servicer = StrataServicer(tok, card, router, fingerprint, TokenizerMetrics(registry))
+    servicer = StrataServicer(tok, card, router, fingerprint, TokenizerMetrics(registry, card.name))
     server.add(pgrpc.add_StrataServicer_to_server, servicer, "strata.v1.Strata")
     port = await server.start(f"{cfg.host}:{cfg.port}")
     address = f"{cfg.host}:{port}"
-    if cfg.metrics_port >= 0:
-        start_metrics_server(cfg.metrics_port, registry)
     http = None
-    ready_line = f"READY tokenizer {address}"
+    ready_line = f"READY tokenizer {address}{serve_metrics(cfg.metrics_port, cfg.host, registry)}"
     if cfg.http_port:
         front = OpenAIFront(
             servicer.generate, servicer.decode, card.name, card.context_length, keys, registry, router.ready

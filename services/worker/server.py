@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from services.common import step_codec, telemetry
 from services.common.discovery import ModelRegistry, Registration, ServiceRecord
 from services.common.errors import FailedPrecondition, InvalidArgument
-from services.common.metrics import MetricFactory, start_metrics_server
+from services.common.metrics import MetricFactory, serve_metrics
 from services.common.server import Server, run_service
 from services.common.step import LateMasks, StepRequest, StepResult
 from services.worker.config import WorkerConfig
@@ -142,8 +142,7 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
     server.add(wgrpc.add_WorkerServicer_to_server, servicer, "strata.worker.v1.Worker")
     port = await server.start(f"{cfg.host}:{cfg.port}")
     address = f"{cfg.host}:{port}"
-    if cfg.metrics_port >= 0:
-        start_metrics_server(cfg.metrics_port, registry)
+    metrics = serve_metrics(cfg.metrics_port, cfg.host, registry)
     registration = None
     if cfg.etcd:
         capacity = {
@@ -158,7 +157,7 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
         await registration.start()
     log.info("worker serving %s on %s (%d slots, %d rows, %d host pages, %d host states, L3 %s)", name, address,
              info.num_slots, info.num_rows, info.host_pages, info.host_states, "on" if info.l3 else "off")
-    print(f"READY worker {address}", flush=True)
+    print(f"READY worker {address}{metrics}", flush=True)
     await stop.wait()
     if registration is not None:
         await registration.stop()
