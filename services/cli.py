@@ -11,50 +11,84 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
 from pathlib import Path
 
 SERVICES = ("tokenizer", "scheduler", "worker", "kvstore")
+# Long enough for whole host pages (64 tokens): with the hierarchical cache on, prefixes are cached
+# in those pages, so a shorter prompt would show no reuse.
+EXAMPLE = "Strata keeps the KV cache of every prompt it has seen. " * 8
+
+
+def _stack_args(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
+    """The flags ``strata up`` passes on, by service (only those the user set, plus the defaults
+    that make ``strata up`` what it is: metrics on, the hierarchical cache on)."""
+
+    def given(*pairs: tuple[str, object]) -> tuple[str, ...]:
+        return tuple(x for flag, v in pairs if v not in (None, "") for x in (flag, str(v)))
+
+    common = given(("--host", args.host), ("--log-level", args.log_level))
+    if args.metrics:
+        common += ("--metrics-port", "0")
+    if args.otlp_endpoint:
+        common += ("--trace-exporter", "otlp", "--trace-target", args.otlp_endpoint)
+    elif args.trace_exporter != "none":
+        target = str(Path(args.run_dir_path) / "spans-{service}.jsonl") if args.trace_exporter == "file" else ""
+        common += given(("--trace-exporter", args.trace_exporter), ("--trace-target", target))
+    worker = given(
+        ("--device", args.device), ("--dtype", args.dtype), ("--page-size", args.page_size),
+        ("--kv-cache-bytes", args.kv_cache_bytes), ("--kv-mem-fraction", args.kv_mem_fraction),
+        ("--max-context", args.context_length), ("--max-rows", args.max_running),
+    )
+    if args.host_cache_bytes not in ("0", 0):  # the hierarchical cache: host pool (L2) and kvstore (L3)
+        worker += ("--host-cache-bytes", str(args.host_cache_bytes), "--l3", "true")
+    scheduler = given(
+        ("--max-running", args.max_running), ("--max-prefill-tokens", args.max_prefill_tokens),
+        ("--max-waiting", args.max_waiting),
+    )
+    tokenizer = given(("--api-key", args.api_key), ("--api-key-file", args.api_key_file),
+                      ("--model-name", args.served_model_name))
+    return {"common": common, "worker": worker, "scheduler": scheduler, "tokenizer": tokenizer}
 
 
 def _up(args: argparse.Namespace) -> int:
     from services import supervisor
-    from services.client import generate_text
+    from services.client import ClientError, show_cache_example
+    from services.common.config import model_dir_problem
 
     model = Path(args.model)
-    if not (model / "config.json").exists():
-        print(
-            f"strata up: {model} has no config.json; run `strata model tiny --out {model}` first",
-            file=sys.stderr,
-        )
+    problem = model_dir_problem(args.model)
+    if problem:
+        print(f"strata up: {problem}", file=sys.stderr)
         return 2
     run_dir = Path(args.run_dir or f".runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    args.run_dir_path = str(run_dir)
     print(f"starting Strata for {model} (logs in {run_dir})")
-    worker_args: tuple[str, ...] = ("--kv-cache-bytes", str(args.kv_cache_bytes))
-    if args.host_cache_bytes:  # the hierarchical cache: host pool (L2) and the kvstore shards (L3)
-        worker_args += ("--host-cache-bytes", str(args.host_cache_bytes), "--l3", "true")
+    a = _stack_args(args)
     try:
-        tokenizer_args: tuple[str, ...] = ("--api-key", args.api_key) if args.api_key else ()
         stack = supervisor.start_stack(
-            model, args.port, run_dir, etcd=args.etcd, worker_args=worker_args,
-            tokenizer_args=tokenizer_args, http_port=args.http_port,
+            model, args.port, run_dir, etcd=args.etcd, worker_args=a["worker"], scheduler_args=a["scheduler"],
+            common_args=a["common"], tokenizer_args=a["tokenizer"], http_port=args.http_port,
         )
-    except supervisor.StartError as e:
+    except (supervisor.StartError, OSError) as e:
         print(f"strata up: {e}", file=sys.stderr)
         return 1
     address = stack.child("tokenizer").address
-    if args.example:
-        print(f'\nexample: strata generate --address {address} "{args.example}"')
-        try:
-            generate_text(address, args.example, max_new_tokens=24, temperature=0.0, out=sys.stdout)
-        except Exception as e:  # the stack keeps serving; the user sees why the example failed
-            print(f"example request failed: {e}", file=sys.stderr)
     http = stack.child("tokenizer").extra.get("http")
+    name = args.served_model_name or model.name
+    if args.example:
+        try:
+            show_cache_example(address, args.example, key=(args.api_key or "").split(",")[0], out=sys.stdout)
+        except ClientError as e:  # the stack keeps serving; the user sees why the example failed
+            print(f"example request failed: {e}", file=sys.stderr)
     if http:
-        print(f"\nOpenAI-compatible API: http://{http}/v1 (model {model.name!r}), e.g.\n"
-              f"  curl http://{http}/v1/completions -H 'content-type: application/json' "
-              f"-d '{{\"model\": \"{model.name}\", \"prompt\": \"The cache\", \"max_tokens\": 16}}'")
+        print(
+            f"\nOpenAI-compatible API at http://{http}/v1 (model {name!r}); for example\n"
+            f"  curl http://{http}/v1/completions -H 'content-type: application/json' \\\n"
+            f"       -d '{{\"model\": \"{name}\", \"prompt\": \"The cache\", \"max_tokens\": 16}}'"
+        )
     print(f"\nStrata is serving strata.v1.Strata on {address}. Ctrl-C stops all services.", flush=True)
     return supervisor.supervise(stack)
 
@@ -66,17 +100,27 @@ def _serve(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from services.client import generate_text
+    from services.client import generate
+    from strata.v1 import strata_pb2 as pb
 
-    generate_text(
-        args.address,
-        args.text,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        chat=args.chat,
-        seed=args.seed,
-        out=sys.stdout,
+    sampling = pb.SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop=args.stop,
+        top_k=args.top_k, min_p=args.min_p, ignore_eos=args.ignore_eos,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
     )
+    for name in ("top_p", "seed", "repetition_penalty"):
+        if getattr(args, name) is not None:
+            setattr(sampling, name, getattr(args, name))
+    req = pb.GenerateRequest(sampling=sampling, cache_salt=args.cache_salt)
+    if args.chat:
+        req.messages.messages.add(role="user", content=args.text)
+    else:
+        req.text = args.text
+    for kind in ("json_schema", "regex", "ebnf"):
+        value = getattr(args, kind)
+        if value:
+            setattr(req, kind, Path(value[1:]).read_text() if value.startswith("@") else value)
+    generate(args.address, req, key=args.api_key, out=sys.stdout)
     return 0
 
 
@@ -106,16 +150,36 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start etcd and all services on loopback")
     up.add_argument("--model", required=True, help="Hugging Face model directory")
-    up.add_argument("--port", type=int, default=50051, help="public port of strata.v1.Strata")
+    up.add_argument("--served-model-name", default="", help="name clients use (default: the directory name)")
+    up.add_argument("--port", type=int, default=50051, help="public port of strata.v1.Strata (gRPC)")
     up.add_argument("--http-port", type=int, default=8000,
                     help="OpenAI-compatible HTTP port (0 = off, -1 = pick a free one)")
+    up.add_argument("--host", default="", help="bind address of every service (default 127.0.0.1)")
     up.add_argument("--api-key", default="", help="API keys (comma-separated) required by /v1/* and gRPC")
+    up.add_argument("--api-key-file", default="", help="a file of API keys, one per line")
     up.add_argument("--etcd", default="", help="use this etcd endpoint instead of starting one")
-    up.add_argument("--kv-cache-bytes", type=int, default=64 * 1024 * 1024, help="worker KV pool bytes")
-    up.add_argument("--host-cache-bytes", type=int, default=256 * 1024 * 1024,
-                    help="worker host (L2) pool bytes, with L3 on the kvstore; 0 = device cache only")
+    up.add_argument("--device", default="", help="worker device: cpu or cuda:N (default cpu)")
+    up.add_argument("--dtype", default="", choices=["", "float32", "bfloat16", "float16"], help="weights and KV")
+    up.add_argument("--page-size", type=int, default=None, help="tokens per KV page")
+    up.add_argument("--context-length", type=int, default=None, help="tokens per request (default: the model's)")
+    up.add_argument("--kv-cache-bytes", default="", help="KV pool size, e.g. 512MiB (default: from free memory)")
+    up.add_argument("--kv-mem-fraction", type=float, default=None,
+                    help="share of free memory for the KV pool when --kv-cache-bytes is unset (CPU 0.1, CUDA 0.8)")
+    up.add_argument("--host-cache-bytes", default="256MiB",
+                    help="host (L2) pool, with L3 on the kvstore; 0 = device cache only")
+    up.add_argument("--max-running", type=int, default=None, help="requests decoded at once")
+    up.add_argument("--max-prefill-tokens", "--chunked-prefill-size", dest="max_prefill_tokens", type=int,
+                    default=None, help="prompt tokens per step: longer prompts are prefilled in chunks")
+    up.add_argument("--max-waiting", type=int, default=None, help="queued requests before 429 / RESOURCE_EXHAUSTED")
+    up.add_argument("--no-metrics", dest="metrics", action="store_false",
+                    help="no Prometheus endpoints (default: one per service, listed at start)")
+    up.add_argument("--trace-exporter", default="none", choices=["none", "console", "file", "otlp"],
+                    help="spans (file: <run-dir>/spans-<service>.jsonl); OTEL_* variables apply when none")
+    up.add_argument("--otlp-endpoint", default="", help="send spans to this OTLP/gRPC collector (host:port)")
+    up.add_argument("--log-level", default="", help="debug, info, warning, error")
     up.add_argument("--run-dir", default="", help="where logs go (default .runs/<time>)")
-    up.add_argument("--example", default="The cache", help="prompt of the example reply ('' = none)")
+    up.add_argument("--example", default=EXAMPLE,
+                    help="prompt of the example request, sent twice to show the cache ('' = none)")
 
     serve = sub.add_parser("serve", help="run one service (flags: strata serve SERVICE --help)")
     serve.add_argument("service", choices=SERVICES)
@@ -123,10 +187,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text through strata.v1.Strata")
     gen.add_argument("text")
     gen.add_argument("--address", default="127.0.0.1:50051")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY", ""),
+                     help="sent as authorization: Bearer (default $STRATA_API_KEY)")
     gen.add_argument("--chat", action="store_true", help="send the text as a user chat message")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--presence-penalty", type=float, default=0.0)
+    gen.add_argument("--frequency-penalty", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=None)
+    gen.add_argument("--cache-salt", default="", help="share cached prefixes only with this salt")
+    constraint = gen.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", default="", help="a JSON schema, or @FILE")
+    constraint.add_argument("--regex", default="", help="output must match this regex")
+    constraint.add_argument("--ebnf", default="", help="an EBNF grammar (root ::= ...), or @FILE")
 
     model = sub.add_parser("model", help="model utilities")
     msub = model.add_subparsers(dest="model_command", required=True)
@@ -157,7 +236,16 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(_serve(args, argv[2:]))
     args = parser.parse_args(argv)
     handlers = {"up": _up, "generate": _generate, "model": _model, "grpc": _grpc, "bench": _bench}
-    sys.exit(handlers[args.command](args))
+    from services.client import ClientError
+
+    try:
+        code = handlers[args.command](args)
+    except (ClientError, OSError) as e:  # one clear line, never a traceback
+        print(f"strata {args.command}: {e}", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
 
 
 if __name__ == "__main__":

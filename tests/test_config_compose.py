@@ -6,12 +6,22 @@ import argparse
 import dataclasses
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from services.common.config import ConfigError, add_arguments, build_config, from_args, load_file, to_args
+from services.common.config import (
+    ConfigError,
+    add_arguments,
+    build_config,
+    from_args,
+    load_file,
+    model_dir_problem,
+    to_args,
+)
+from services.common.telemetry import from_environment
 from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
 
@@ -57,3 +67,56 @@ def test_compose_file_is_valid() -> None:
     assert services["tokenizer"]["depends_on"]["scheduler"]["condition"] == "service_healthy"
     for name in ("kvstore", "worker", "scheduler", "tokenizer"):
         assert "healthcheck" in services[name]
+    # The OpenAI port is published, and every service serves metrics inside the network.
+    assert any("8000" in str(p) for p in services["tokenizer"]["ports"])
+    for name in ("kvstore", "worker", "scheduler", "tokenizer"):
+        command = services[name]["command"]
+        assert command[command.index("--metrics-port") + 1] == "9100", name
+        assert "9100" in [str(e) for e in services[name]["expose"]], name
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [("67108864", 64 << 20), ("64MiB", 64 << 20), ("2GiB", 2 << 30), ("1.5GB", 1_500_000_000), ("512k", 512 << 10)],
+)
+def test_byte_sizes_take_units(text: str, want: int) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, WorkerConfig)
+    cfg = from_args(WorkerConfig, parser.parse_args(["--model", "m", "--kv-cache-bytes", text]))
+    assert cfg.kv_cache_bytes == want
+
+
+def test_bad_byte_size_names_the_key() -> None:
+    with pytest.raises(ConfigError, match="host_cache_bytes: expected bytes such as"):
+        build_config(WorkerConfig, {"model": "m", "host_cache_bytes": "lots"})
+
+
+def test_mistyped_model_dir_is_named(tmp_path: Path) -> None:
+    (tmp_path / "qwen3-tiny").mkdir()
+    (tmp_path / "qwen3-tiny" / "config.json").write_text("{}")
+    assert model_dir_problem(str(tmp_path / "qwen3-tiny")) is None
+    assert "did you mean" in (model_dir_problem(str(tmp_path / "qwen3-tinny")) or "")
+    assert "no config.json" in (model_dir_problem(str(tmp_path)) or "")
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", "serve", "worker", "--model", str(tmp_path / "qwen3-tinny")],
+        capture_output=True, text=True, cwd=REPO,
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"did you mean {tmp_path / 'qwen3-tiny'}?" in out.stderr
+
+
+def test_cli_errors_are_one_line() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", "generate", "hi", "--address", "127.0.0.1:1"],
+        capture_output=True, text=True, cwd=REPO, timeout=60,
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("strata generate: UNAVAILABLE:") and out.stderr.count("\n") == 1
+
+
+def test_otel_environment_fills_unset_flags() -> None:
+    env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}
+    assert from_environment("none", "", env) == ("otlp", "collector:4317")
+    assert from_environment("file", "/tmp/x", env) == ("file", "/tmp/x")  # a flag wins
+    assert from_environment("otlp", "", {}) == ("otlp", "localhost:4317")
+    assert from_environment("console", "", {"OTEL_SDK_DISABLED": "true"}) == ("none", "")

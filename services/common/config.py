@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
+import re
 import types
 import typing
 from pathlib import Path
@@ -33,6 +35,24 @@ def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(key: str, value: Any) -> int:
+    """A byte count: an integer, or a number with a unit (``64MiB``, ``2GiB``, ``1.5GB``, ``512k``;
+    K/M/G/T and KiB/MiB/... are powers of 1024, KB/MB/... of 1000)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = _SIZE.match(str(value))
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise ConfigError(f"{key}: expected bytes such as 67108864, 64MiB or 2GiB, got {value!r}")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Convert ``value`` (from YAML, JSON or a flag string) to the field type ``tp``."""
     origin = get_origin(tp)
@@ -52,6 +72,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
             return value.lower() in ("true", "1", "yes", "on")
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int and key.endswith("_bytes"):
+        return parse_bytes(key, value)
     if tp in (int, float):
         if isinstance(value, bool):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
@@ -129,3 +151,18 @@ def to_args(cfg: Any) -> list[str]:
             continue
         out += [_flag(f.name), str(v).lower() if isinstance(v, bool) else str(v)]
     return out
+
+
+def model_dir_problem(path: str) -> str | None:
+    """Why ``path`` is not a Hugging Face model directory (None if it is), with the nearest
+    sibling name when it looks mistyped."""
+    p = Path(path)
+    if (p / "config.json").is_file():
+        return None
+    if not p.exists():
+        parent = p.parent if str(p.parent) else Path(".")
+        names = [c.name for c in parent.iterdir() if (c / "config.json").is_file()] if parent.is_dir() else []
+        near = difflib.get_close_matches(p.name, names, n=1)
+        hint = f"; did you mean {parent / near[0]}?" if near else ""
+        return f"{path}: no such directory{hint}"
+    return f"{path}: not a Hugging Face model directory (it has no config.json)"

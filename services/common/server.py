@@ -106,6 +106,11 @@ def run_service(
         cfg = config.from_args(cfg_cls, parser.parse_args(argv))
     except config.ConfigError as e:
         parser.error(str(e))
+    for key in ("model", "tokenizer"):  # the model directory a service loads (scheduler: --tokenizer)
+        value = getattr(cfg, key, "")
+        problem = config.model_dir_problem(value) if isinstance(value, str) and value else None
+        if problem:
+            parser.error(f"{key}: {problem}")
     setup_logging(name, getattr(cfg, "log_level", "info"))
 
     async def run() -> None:

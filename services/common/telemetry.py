@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import grpc
 from opentelemetry import propagate, trace
@@ -136,9 +137,27 @@ def build_tracer_provider(service_name: str, exporter: Exporter, target: str = "
     return provider
 
 
+def from_environment(exporter: Exporter, target: str, env: Mapping[str, str] = os.environ) -> tuple[Exporter, str]:
+    """The exporter and target after OpenTelemetry's standard variables: a flag that was set wins;
+    otherwise ``OTEL_TRACES_EXPORTER`` (otlp, console, none) and ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``
+    / ``OTEL_EXPORTER_OTLP_ENDPOINT`` apply; ``OTEL_SDK_DISABLED=true`` turns tracing off."""
+    if env.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        return "none", ""
+    if exporter == "none":
+        wanted = env.get("OTEL_TRACES_EXPORTER", "none").split(",")[0].strip().lower()
+        exporter = cast(Exporter, wanted) if wanted in ("otlp", "console") else "none"
+    if exporter == "otlp" and not target:
+        target = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+        target = target.removeprefix("http://").removeprefix("https://").rstrip("/")
+        target = target or "localhost:4317"  # the OTLP/gRPC default
+    return exporter, target
+
+
 def setup_tracing(service_name: str, exporter: Exporter, target: str = "") -> None:
-    """Install this process's tracer provider (replacing and flushing a previous one)."""
+    """Install this process's tracer provider (replacing and flushing a previous one); the
+    standard ``OTEL_*`` variables fill in what the flags leave unset (``from_environment``)."""
     global _provider
+    exporter, target = from_environment(exporter, target)
     provider = build_tracer_provider(service_name, exporter, target)
     shutdown_tracing()
     _provider = provider

@@ -23,7 +23,10 @@ class WorkerConfig:
     etcd: str = field(default="", metadata=_h("etcd endpoint host:port; empty = no registration"))
     device: str = field(default="cpu", metadata=_h("cpu or cuda:N"))
     dtype: Literal["float32", "bfloat16", "float16"] = field(default="float32", metadata=_h("weights and KV"))
-    kv_cache_bytes: int = field(default=64 * 1024 * 1024, metadata=_h("bytes for the KV pool"))
+    kv_cache_bytes: int = field(default=0, metadata=_h(
+        "bytes for the KV pool (64MiB, 2GiB, ...); 0 = kv_mem_fraction of the memory free after loading"))
+    kv_mem_fraction: float = field(default=0.0, metadata=_h(
+        "with kv_cache_bytes 0: share of free memory for the KV pool; 0 = 0.1 on CPU, 0.8 on CUDA"))
     max_rows: int = field(default=256, metadata=_h("requests the worker holds at once"))
     max_context: int = field(default=0, metadata=_h("tokens per request; 0 = the model's context length"))
     mamba_slots: int = field(default=0, metadata=_h("Mamba state slots (hybrid models); 0 = derive"))
@@ -54,13 +57,15 @@ class WorkerConfig:
     def validate(self) -> None:
         if not self.model:
             raise ConfigError("model: a Hugging Face model directory is required")
-        if self.kv_cache_bytes <= 0:
-            raise ConfigError("kv_cache_bytes: must be > 0")
+        if self.kv_cache_bytes < 0:
+            raise ConfigError("kv_cache_bytes: must be >= 0 (0 = sized from free memory)")
+        if not 0.0 <= self.kv_mem_fraction < 1.0:
+            raise ConfigError(f"kv_mem_fraction: must be in [0, 1), got {self.kv_mem_fraction}")
         if self.max_rows < 1:
             raise ConfigError("max_rows: must be >= 1")
         if self.page_size < 1:
             raise ConfigError("page_size: must be >= 1")
-        if self.kv_max_bytes and self.kv_max_bytes < self.kv_cache_bytes:
+        if self.kv_max_bytes and self.kv_cache_bytes and self.kv_max_bytes < self.kv_cache_bytes:
             raise ConfigError(f"kv_max_bytes: must be 0 or >= kv_cache_bytes ({self.kv_cache_bytes})")
         if self.mamba_max_slots < 0:
             raise ConfigError("mamba_max_slots: must be >= 0")

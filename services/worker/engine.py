@@ -56,6 +56,7 @@ from services.worker.host_cache import HostPool
 from services.worker.host_malloc import keep_large_blocks_on_heap
 from services.worker.host_ops import HostTier, L3Port
 from services.worker.host_states import HostStatePool
+from services.worker.kv_budget import auto_kv_bytes
 from services.worker.loader import fingerprint, load_model
 from services.worker.models.registry import CausalLM
 from services.worker.pool_backing import choose_backing
@@ -97,8 +98,13 @@ class Engine:
             if kv_max or mamba_max:
                 log.warning("pools cannot grow beyond their starting size on %s: %s", device, backing.reason)
             kv_max = mamba_max = 0  # a fixed allocation of the whole reservation would be wasted
+        kv_bytes = cfg.kv_cache_bytes or auto_kv_bytes(
+            device, cfg.kv_mem_fraction,
+            KVPool.slot_bytes(model.num_kv_layers, model.num_kv_heads, model.head_dim, dtype),
+            cfg.max_rows * context,
+        )  # fmt: skip
         self.kv = KVPool.from_budget(
-            cfg.kv_cache_bytes, model.num_kv_layers, model.num_kv_heads, model.head_dim, dtype, device,
+            kv_bytes, model.num_kv_layers, model.num_kv_heads, model.head_dim, dtype, device,
             cfg.page_size, max_bytes=kv_max, backing=backing,
         )
         self.req_to_token = ReqToTokenTable(cfg.max_rows, context, device)

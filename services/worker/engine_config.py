@@ -45,7 +45,8 @@ class EngineConfig:
 
     device: str = "cpu"
     dtype: DType = "float32"
-    kv_cache_bytes: int = 256 << 20
+    kv_cache_bytes: int = 256 << 20  # 0 = kv_mem_fraction of the free memory (kv_budget.py)
+    kv_mem_fraction: float = 0.0  # with kv_cache_bytes 0; 0 = the device's default
     max_rows: int = 64
     max_context: int | None = None
     mamba_slots: int = 0
@@ -61,7 +62,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for name in ("kv_cache_bytes", "max_rows", "page_size"):
+        if self.kv_cache_bytes < 0 or not 0.0 <= self.kv_mem_fraction < 1.0:
+            raise ValueError("EngineConfig.kv_cache_bytes must be >= 0 and kv_mem_fraction in [0, 1)")
+        for name in ("max_rows", "page_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_context is not None and self.max_context < 1:

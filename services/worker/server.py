@@ -111,6 +111,7 @@ def engine_config(cfg: WorkerConfig) -> EngineConfig:
         device=cfg.device,
         dtype=cfg.dtype,
         kv_cache_bytes=cfg.kv_cache_bytes,
+        kv_mem_fraction=cfg.kv_mem_fraction,
         max_rows=cfg.max_rows,
         max_context=cfg.max_context or None,
         mamba_slots=cfg.mamba_slots,
