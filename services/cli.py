@@ -135,7 +135,8 @@ def _model(args: argparse.Namespace) -> int:
 def _grpc(args: argparse.Namespace) -> int:
     from services.grpc_client import run_reflection_command
 
-    return run_reflection_command(args.address, args.action, args.target, args.json)
+    metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
+    return run_reflection_command(args.address, args.action, args.target, args.json, metadata=metadata)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -224,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("target", nargs="?", default="", help="service or Service/Method")
     g.add_argument("json", nargs="?", default="{}", help="request as JSON (call)")
     g.add_argument("--address", default="127.0.0.1:50051")
+    g.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY", ""),
+                   help="sent as authorization: Bearer (default $STRATA_API_KEY)")
     return p
 
 
