@@ -57,7 +57,7 @@ from services.kvstore.sharded import ShardedKVStore
 from services.scheduler.l3_lookup import leading_pages
 from services.scheduler.loop import LoopConfig
 from services.scheduler.memory import HiConfig
-from services.scheduler.request import Finish, TokenEvent
+from services.scheduler.request import FailEvent, Finish, TokenEvent
 
 GOAL_LENGTH, GOAL_RATIO = 4096, 3.0  # issue #7: L3 at least 3x faster than recompute at 4k tokens
 OUT, OUT_HYBRID = Path("docs/bench/hicache.json"), Path("docs/bench/hicache-hybrid.json")  # --out's defaults
@@ -142,6 +142,8 @@ async def request(tiers: Tiers, store: ShardedKVStore, prompt: list[int], timeou
                 if token < 0 and ev.token_ids:
                     ttft, token = time.perf_counter() - t0, ev.token_ids[0]
                 continue
+            if isinstance(ev, FailEvent):
+                raise RuntimeError(f"request failed: {ev.error}")
             if ev.reason in (Finish.ERROR, Finish.ABORT) or token < 0:
                 raise RuntimeError(f"request ended with {ev.reason.name} and no token: {ev.error}")
             return Served(ttft, lookup, l3, token, ev.cached_tokens)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -74,10 +75,43 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
     await context.abort(code, message)
 
 
-def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
+class _DecodeLog:
+    """At most one warning per ``every_s`` about undecodable requests (a client can send them at
+    will; the log must not grow with them), counting the ones it did not write."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self.every_s, self.last, self.skipped = every_s, -every_s, 0
+
+    def warn(self, method: str, reason: str) -> None:
+        now = time.monotonic()
+        if now - self.last < self.every_s:
+            self.skipped += 1
+            return
+        log.warning("%s: undecodable request (%s); %d more since the last warning", method, reason, self.skipped)
+        self.last, self.skipped = now, 0
+
+
+_decode_log = _DecodeLog()
+
+
+def _parse(deserializer: Callable[[bytes], Any] | None, raw: Any, method: str) -> Any:
+    """The request from its bytes; a corrupt payload or invalid UTF-8 is INVALID_ARGUMENT."""
+    if deserializer is None:
+        return raw
+    try:
+        return deserializer(raw)
+    except Exception as exc:  # DecodeError, UnicodeDecodeError: whatever the parser refuses
+        reason = f"{type(exc).__name__}: {exc}"
+        _decode_log.warn(method, reason)
+        raise InvalidArgument(f"request: not a valid {method.rsplit('/', 1)[-1]} request message ({reason})") from None
+
+
+def _wrap_unary(
+    fn: Callable[..., Awaitable[Any]], method: str, deserializer: Callable[[bytes], Any] | None = None
+) -> Callable[..., Awaitable[Any]]:
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await fn(request, context)
+            return await fn(_parse(deserializer, request, method), context)
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as exc:
@@ -86,10 +120,12 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str) -> Callable[...,
     return call
 
 
-def _wrap_stream(fn: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., AsyncIterator[Any]]:
+def _wrap_stream(
+    fn: Callable[..., AsyncIterator[Any]], method: str, deserializer: Callable[[bytes], Any] | None = None
+) -> Callable[..., AsyncIterator[Any]]:
     async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            async for item in fn(request, context):
+            async for item in fn(_parse(deserializer, request, method), context):
                 yield item
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
@@ -115,10 +151,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             "request_deserializer": handler.request_deserializer,
             "response_serializer": handler.response_serializer,
         }
+        # Single-request methods parse their request inside the handler, where a decode error
+        # becomes INVALID_ARGUMENT (grpc's own parsing would answer UNKNOWN and log a traceback).
+        raw = {"request_deserializer": None, "response_serializer": handler.response_serializer}
+        deser = handler.request_deserializer
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, method), **kwargs)
+            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, method, deser), **raw)
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream, method), **kwargs)
+            return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream, method, deser), **raw)
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary, method), **kwargs)
         if handler.stream_stream:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -22,16 +23,38 @@ C = TypeVar("C")
 
 # Pages travel in batches of several MiB; keep headroom over the largest batch we send.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+# Every Strata channel pings every KEEPALIVE_MS, with or without calls in flight, and every Strata
+# server accepts pings that often: the two policies must agree, or a server answers an idle
+# stream's pings with GOAWAY "too_many_pings" (gRPC servers by default accept one ping per
+# 5 minutes without data) and the link drops after a pause. The variable exists for tests.
+KEEPALIVE_MS = int(os.environ.get("STRATA_GRPC_KEEPALIVE_MS", "10000"))
+_KEEPALIVE: list[tuple[str, Any]] = [
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", max(KEEPALIVE_MS // 2, 1000)),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_time_between_pings_ms", KEEPALIVE_MS),
+]
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
+    *_KEEPALIVE,
+    # A restarted peer is reached within a second, not after backoff grown to two minutes.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 # No SO_REUSEPORT: gRPC sets it by default, which lets a second server bind a port in use and
 # share its traffic silently; without it a taken port is an error at start.
-SERVER_OPTIONS: list[tuple[str, Any]] = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+SERVER_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+    *_KEEPALIVE,
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+]
 
 
 class Server:
@@ -41,11 +64,14 @@ class Server:
     full service name (for health and reflection); ``start`` binds and returns the port.
     """
 
-    def __init__(self, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
+    def __init__(
+        self, interceptors: Sequence[grpc.aio.ServerInterceptor] = (), max_receive_bytes: int = MAX_MESSAGE_BYTES
+    ) -> None:
+        """``max_receive_bytes``: larger requests get RESOURCE_EXHAUSTED from gRPC before any
+        handler runs (the public port takes far less than the page batches between services)."""
         # Telemetry first so error statuses are recorded on the span; errors innermost.
-        self._server = grpc.aio.server(
-            interceptors=[*interceptors, ErrorInterceptor()], options=SERVER_OPTIONS
-        )
+        options = [*SERVER_OPTIONS, ("grpc.max_receive_message_length", max_receive_bytes)]
+        self._server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()], options=options)
         self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self._names: list[str] = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]

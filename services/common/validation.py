@@ -19,6 +19,10 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_REQUEST_ID_CHARS = 128
 MAX_SALT_CHARS = 256
+# Text is refused before tokenization when it could not fit the context even at this many
+# characters per token (real tokenizers average about 4; long whitespace or digit runs more).
+MAX_CHARS_PER_TOKEN = 32
+MAX_GRAMMAR_CHARS = 1 << 20  # a JSON schema, regex or EBNF
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +71,21 @@ def check_ids(name: str, ids: list[int], limits: Limits) -> None:
             f"{name}: token id {bad[0]} is out of range; "
             f"ids must be below the vocabulary size {limits.vocab_size}"
         )
+
+
+def check_text(name: str, chars: int, limits: Limits) -> None:
+    """Refuse text too long for the context before spending any time tokenizing it."""
+    most = limits.context_length * MAX_CHARS_PER_TOKEN
+    if chars > most:
+        raise InvalidArgument(
+            f"{name}: {chars} characters; at most {most} (context length {limits.context_length} "
+            f"tokens x {MAX_CHARS_PER_TOKEN} characters)"
+        )
+
+
+def check_grammar(name: str, text: str) -> None:
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise InvalidArgument(f"{name}: {len(text)} characters; at most {MAX_GRAMMAR_CHARS}")
 
 
 def check_request_id(rid: str) -> None:

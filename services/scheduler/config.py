@@ -37,7 +37,9 @@ class SchedulerConfig:
     max_waiting: int = field(
         default=4096, metadata=_h("requests queued for admission; more are refused (RESOURCE_EXHAUSTED); 0 = no limit")
     )
-    worker_wait_s: float = field(default=30.0, metadata=_h("how long a request waits for a worker"))
+    worker_wait_s: float = field(default=10.0, metadata=_h(
+        "how long a request waits for a worker, also after its worker was lost (then UNAVAILABLE); "
+        "above the worker's lease TTL (5 s) so a replacement can join"))
     overlap: bool = field(default=True, metadata=_h("plan the next step while the worker runs this one"))
     mamba_policy: Literal["marconi", "lru"] = field(
         default="marconi", metadata=_h("hybrid models: which cached state to evict first")

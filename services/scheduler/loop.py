@@ -25,12 +25,13 @@ from services.scheduler.budget_ledger import BudgetLedger
 from services.scheduler.elastic_control import ElasticConfig, ElasticControl
 from services.scheduler.memory import HiConfig, MemoryConfig, build_memory
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.request import Finish, FinishEvent, Req
+from services.scheduler.request import FailEvent, Finish, FinishEvent, Req
 from services.scheduler.worker_link import WorkerGone, WorkerLink
 
 log = logging.getLogger(__name__)
 
 ELASTIC_TICK_S = 0.5  # how often an idle loop with elastic pools re-plans (to shrink them)
+ORPHAN_CHECK_S = 0.25  # how often a loop without a worker checks its requeued requests' wait
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +42,7 @@ class LoopConfig:
     max_prefill_tokens: int = 1024
     max_running: int = 256
     max_waiting: int = 4096  # 0 = no limit
-    worker_wait_s: float = 30.0
+    worker_wait_s: float = 10.0
     check_invariants: bool = True
     overlap: bool = True  # plan step N+1 while the worker runs step N
     mamba_policy: str = "marconi"  # hybrid models: cached-state eviction, "marconi" | "lru"
@@ -78,6 +79,7 @@ class SchedulerLoop:
         self._wake = asyncio.Event()
         self._ready = asyncio.Event()
         self._orphans: list[Req] = []  # requeued while no worker is attached
+        self._detached_at = 0.0
 
     # -- workers --------------------------------------------------------------------------------
     @property
@@ -115,6 +117,7 @@ class SchedulerLoop:
         link, batcher = self.link, self.batcher
         self.link, self.batcher = None, None
         self._ready.clear()
+        self._detached_at = time.monotonic()
         if batcher is not None:
             batcher.fail_all(reason)
             self._orphans = [r for r in batcher.waiting if not r.aborted]
@@ -125,12 +128,14 @@ class SchedulerLoop:
             await link.close()
 
     async def wait_for_worker(self) -> WorkerInfo:
-        try:
-            await asyncio.wait_for(self._ready.wait(), self.cfg.worker_wait_s)
-        except TimeoutError:
-            raise Unavailable(f"no worker connected within {self.cfg.worker_wait_s:.0f}s") from None
-        assert self.link is not None
-        return self.link.info
+        deadline = time.monotonic() + self.cfg.worker_wait_s
+        while True:  # the link can drop again between the event and this task running
+            try:
+                await asyncio.wait_for(self._ready.wait(), max(deadline - time.monotonic(), 0.0))
+            except TimeoutError:
+                raise Unavailable(f"no worker connected within {self.cfg.worker_wait_s:g}s") from None
+            if self.link is not None:
+                return self.link.info
 
     def limits(self) -> Limits:
         info = self.info
@@ -172,6 +177,21 @@ class SchedulerLoop:
             req.emit_abort()
         self._wake.set()
         return True
+
+    def _expire_orphans(self) -> None:
+        """Requests requeued when their worker was lost wait ``worker_wait_s`` for another; then
+        they end with UNAVAILABLE (never an unbounded wait)."""
+        if self.link is not None or not self._orphans:
+            return
+        if time.monotonic() - self._detached_at < self.cfg.worker_wait_s:
+            return
+        error = Unavailable(f"the worker was lost and none connected within {self.cfg.worker_wait_s:g}s")
+        for req in self._orphans:
+            if req.finished is None:
+                req.finished = Finish.ERROR
+                req.emit(FailEvent(error))
+        log.warning("%d requeued requests ended: %s", len(self._orphans), error)
+        self._orphans = []
 
     def forget(self, rid: str) -> None:
         self.requests.pop(rid, None)
@@ -215,7 +235,8 @@ class SchedulerLoop:
         while not stop.is_set():
             if self.batcher is None or self.link is None:
                 inflight.clear()
-                await _first(self._ready.wait(), stop.wait())
+                await _first(self._ready.wait(), stop.wait(), asyncio.sleep(ORPHAN_CHECK_S))
+                self._expire_orphans()
                 continue
             batcher, link = self.batcher, self.link
             planning, done, result, t0 = True, None, None, 0.0

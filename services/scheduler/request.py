@@ -36,7 +36,15 @@ class FinishEvent:
     error: str = ""
 
 
-Event = TokenEvent | FinishEvent
+@dataclass(frozen=True, slots=True)
+class FailEvent:
+    """The request cannot run (its worker is gone and none came back in time): the servicer ends
+    the call with ``error``'s status instead of a finish reason."""
+
+    error: Exception
+
+
+Event = TokenEvent | FinishEvent | FailEvent
 
 
 @dataclass(eq=False, slots=True)

@@ -24,7 +24,7 @@ from services.scheduler.grammar import Constraint, GrammarService, Matcher
 from services.scheduler.l3_lookup import L3Lookup
 from services.scheduler.loop import SchedulerLoop
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.request import Finish, FinishEvent, Req, TokenEvent
+from services.scheduler.request import FailEvent, Finish, FinishEvent, Req, TokenEvent
 from services.scheduler.worker_link import GrpcWorkerLink, WorkerGone
 from strata.scheduler.v1 import scheduler_pb2 as spb
 from strata.scheduler.v1 import scheduler_pb2_grpc as sgrpc
@@ -114,6 +114,9 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
                         logprobs=[step_codec.logprob_to_pb(lp) for e in tokens for lp in e.logprobs],
                         usage=usage,
                     )
+                failed = next((e for e in events if isinstance(e, FailEvent)), None)
+                if failed is not None:
+                    raise failed.error
                 end = next((e for e in events if isinstance(e, FinishEvent)), None)
                 if end is not None:
                     yield _final(rid, end)

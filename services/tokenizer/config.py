@@ -24,7 +24,7 @@ class TokenizerConfig:
     instance_id: str = field(default="", metadata=_h("etcd instance id; empty = tokenizer-<port>"))
     etcd: str = field(default="", metadata=_h("etcd endpoint host:port; empty = use --scheduler"))
     scheduler: str = field(default="", metadata=_h("a fixed scheduler address instead of discovery"))
-    scheduler_wait_s: float = field(default=30.0, metadata=_h("how long a request waits for a scheduler"))
+    scheduler_wait_s: float = field(default=5.0, metadata=_h("how long a request waits for a scheduler to register"))
     metrics_port: int = field(default=-1, metadata=_h("Prometheus port; -1 = off, 0 = pick"))
     trace_exporter: Literal["none", "console", "file", "otlp"] = field(default="none", metadata=_h("spans"))
     trace_target: str = field(default="", metadata=_h("file path or OTLP endpoint for spans"))

@@ -63,7 +63,7 @@ FINISH = {
     pb.FINISH_REASON_ABORT: "abort",
     pb.FINISH_REASON_ERROR: "error",
 }
-MAX_BODY_BYTES = 32 << 20
+MAX_BODY_BYTES = 32 << 20  # as the public gRPC port's message limit
 
 
 class ApiError(Exception):

@@ -14,15 +14,18 @@ from services.common.server import CHANNEL_OPTIONS
 from strata.scheduler.v1 import scheduler_pb2 as spb
 from strata.scheduler.v1 import scheduler_pb2_grpc as sgrpc
 
+SET_ASIDE_S = 5.0
+
 
 class Router:
-    def __init__(self, fixed: str = "", etcd: str = "", model: str = "", wait_s: float = 30.0) -> None:
+    def __init__(self, fixed: str = "", etcd: str = "", model: str = "", wait_s: float = 5.0) -> None:
         self._fixed = fixed
         self._model = model
         self._wait_s = wait_s
         self._discovery = Discovery(etcd, "scheduler") if etcd and not fixed else None
         self._channels: dict[str, tuple[grpc.aio.Channel, sgrpc.SchedulerStub]] = {}
         self._rr = itertools.count()
+        self._aside: dict[str, float] = {}  # address -> until when other schedulers go first
 
     async def start(self) -> None:
         if self._discovery is not None:
@@ -35,13 +38,24 @@ class Router:
         recs = self._discovery.members().values()
         return sorted(r.address for r in recs if not self._model or not r.model or r.model == self._model)
 
-    async def pick(self) -> tuple[str, sgrpc.SchedulerStub]:
+    def count(self) -> int:
+        return len(self._addresses())
+
+    def set_aside(self, address: str) -> None:
+        """Prefer other schedulers for ``SET_ASIDE_S`` (one just failed to answer)."""
+        self._aside[address] = time.monotonic() + SET_ASIDE_S
+
+    async def pick(self, exclude: set[str] | frozenset[str] = frozenset()) -> tuple[str, sgrpc.SchedulerStub]:
+        """Round-robin over the schedulers not in ``exclude``, those set aside last; waits up to
+        ``wait_s`` for one to register, then raises UNAVAILABLE."""
         deadline = time.monotonic() + self._wait_s
-        while not (addresses := self._addresses()):
+        while not (addresses := [a for a in self._addresses() if a not in exclude]):
             if time.monotonic() > deadline:
-                raise Unavailable(f"no scheduler registered within {self._wait_s:.0f}s")
-            await asyncio.sleep(0.2)
-        address = addresses[next(self._rr) % len(addresses)]
+                raise Unavailable(f"no scheduler registered within {self._wait_s:g}s")
+            await asyncio.sleep(0.1)
+        now = time.monotonic()
+        fresh = [a for a in addresses if self._aside.get(a, 0.0) <= now] or addresses
+        address = fresh[next(self._rr) % len(fresh)]
         return address, self.stub(address)
 
     async def ready(self, timeout_s: float = 1.0) -> bool:

@@ -6,8 +6,10 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
@@ -16,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from services.common import telemetry, validation
 from services.common.auth import ApiKeys, AuthInterceptor
 from services.common.discovery import ModelRegistry, Registration, ServiceRecord
-from services.common.errors import InvalidArgument, StrataError
+from services.common.errors import AlreadyExists, InvalidArgument, StrataError
 from services.common.metrics import LENGTH_BUCKETS, REQUEST_BUCKETS_S, MetricFactory, serve_metrics
 from services.common.server import Server, run_service
 from services.tokenizer.config import TokenizerConfig
@@ -33,6 +35,9 @@ log = logging.getLogger(__name__)
 _tracer = telemetry.get_tracer(__name__)
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
+PUBLIC_MAX_BYTES = 32 << 20  # one request on the public port (as the HTTP body limit)
+TOKENIZE_THREADS = 2  # encodes run here, off the event loop; more wait in the pool's queue
+T = TypeVar("T")
 
 
 class Relay(StrataError):
@@ -96,21 +101,31 @@ class StrataServicer(pgrpc.StrataServicer):
         self.fingerprint = fingerprint
         self.limits = validation.Limits(card.vocab_size, card.context_length)
         self._running: dict[str, str] = {}  # request id -> scheduler address
+        self._pool = ThreadPoolExecutor(max_workers=TOKENIZE_THREADS, thread_name_prefix="tokenize")
 
     # -- helpers --------------------------------------------------------------------------------
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)  # type: ignore[attr-defined]
 
-    def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+    async def _off_loop(self, fn: Callable[[], T]) -> T:
+        """Tokenizer work in the bounded pool: a long text must not hold the event loop (other
+        requests, the etcd lease) while it is encoded."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("input")
+        tok = self.tok
         if kind == "text":
             if not request.text:
                 raise InvalidArgument("input.text: must not be empty")
-            ids = list(self.tok.encode(request.text, add_special_tokens=False))  # type: ignore[attr-defined]
+            validation.check_text("input.text", len(request.text), self.limits)
+            text = request.text
+            ids = await self._off_loop(lambda: list(tok.encode(text, add_special_tokens=False)))  # type: ignore[attr-defined]
         elif kind == "messages":
             msgs = request.messages.messages
             if not msgs:
                 raise InvalidArgument("input.messages: at least one message is required")
+            validation.check_text("input.messages", sum(len(m.content) for m in msgs), self.limits)
             for i, m in enumerate(msgs):
                 if m.role not in ROLES:
                     raise InvalidArgument(
@@ -118,7 +133,9 @@ class StrataServicer(pgrpc.StrataServicer):
                         f"use one of {', '.join(sorted(ROLES))}"
                     )
             conv = [{"role": m.role, "content": m.content} for m in msgs]
-            out = self.tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)  # type: ignore[attr-defined]
+            out = await self._off_loop(
+                lambda: tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)  # type: ignore[attr-defined]
+            )
             ids = list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
         elif kind == "input_ids":
             ids = list(request.input_ids.ids)
@@ -133,16 +150,21 @@ class StrataServicer(pgrpc.StrataServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        async for resp in self.generate(request):
+        async for resp in self.generate(request, context.time_remaining()):
             yield resp
 
-    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(
+        self, request: pb.GenerateRequest, timeout_s: float | None = None
+    ) -> AsyncIterator[pb.GenerateResponse]:
         """The one path of every generation request, gRPC and HTTP: validate, tokenize, route,
         detokenize. Raises ``StrataError`` subclasses (a scheduler's status as ``Relay``)."""
         rid = request.request_id or uuid.uuid4().hex
         validation.check_request_id(rid)
         validation.check_cache_salt(request.cache_salt)
-        ids = self._prompt_ids(request)
+        constraint = request.WhichOneof("constraint")
+        if constraint:
+            validation.check_grammar(constraint, getattr(request, constraint))
+        ids = await self._prompt_ids(request)
         gen = validation.generation(
             request.sampling, len(ids), self.limits, request.return_logprobs, request.top_logprobs
         )
@@ -157,7 +179,9 @@ class StrataServicer(pgrpc.StrataServicer):
         kind = request.WhichOneof("constraint")
         if kind:
             setattr(sreq.constraint, kind, getattr(request, kind))
-        address, stub = await self.router.pick()
+        if rid in self._running:  # checked and claimed with no await between: the id is ours
+            raise AlreadyExists(f"request_id: {rid!r} is already running")
+        self._running[rid] = ""
         detok = IncrementalDetokenizer(self.decode, gen.stop, prompt_tail=ids)
         all_ids: list[int] = []
         all_text: list[str] = []
@@ -168,15 +192,15 @@ class StrataServicer(pgrpc.StrataServicer):
         span = _tracer.start_span(
             "/strata.scheduler.v1.Scheduler/Generate",
             kind=SpanKind.CLIENT,
-            attributes={"rpc.system": "grpc", "strata.request_id": rid, "server.address": address},
+            attributes={"rpc.system": "grpc", "strata.request_id": rid},
         )
         trace_md = tuple(telemetry.inject_context(set_span_in_context(span)).items())
-        call = stub.Generate(sreq, metadata=trace_md)
-        self._running[rid] = address
+        call: grpc.aio.UnaryStreamCall | None = None
         t0, first = time.perf_counter(), None
         previous = t0
         try:
-            async for resp in call:
+            call, resp = await self._open(rid, sreq, trace_md, timeout_s)
+            while resp is not grpc.aio.EOF:
                 final = pb.GenerateResponse(request_id=rid)
                 if resp.token_ids:
                     now = time.perf_counter()
@@ -223,6 +247,7 @@ class StrataServicer(pgrpc.StrataServicer):
                             error=final.error,
                         )
                     return
+                resp = await call.read()
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.CANCELLED and detok.stopped:
                 return
@@ -230,13 +255,39 @@ class StrataServicer(pgrpc.StrataServicer):
             raise Relay(e) from e
         finally:
             self._running.pop(rid, None)
-            call.cancel()
+            if call is not None:
+                call.cancel()
             span.end()
+
+    async def _open(
+        self, rid: str, sreq: spb.GenerateRequest, metadata: tuple[tuple[str, str], ...], timeout_s: float | None
+    ) -> tuple[grpc.aio.UnaryStreamCall, Any]:
+        """Start ``sreq`` on a scheduler and read its first response. A scheduler that is
+        unreachable (or has no worker) before answering anything is set aside for a moment and
+        the next one is tried, so a dead or restarted scheduler costs a request nothing while
+        another serves."""
+        tried: set[str] = set()
+        while True:
+            address, stub = await self.router.pick(exclude=tried)
+            self._running[rid] = address
+            # The client's deadline goes with the call: the scheduler drops the request when it passes.
+            call = stub.Generate(sreq, metadata=metadata, timeout=timeout_s)
+            try:
+                return call, await call.read()
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or len(tried) + 1 >= self.router.count():
+                    raise
+                log.info("scheduler %s unavailable (%s); trying another", address, e.details())
+                self.router.set_aside(address)
+                tried.add(address)
 
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        return pb.TokenizeResponse(ids=self.tok.encode(request.text, add_special_tokens=False))  # type: ignore[attr-defined]
+        validation.check_text("text", len(request.text), self.limits)
+        tok, text = self.tok, request.text
+        ids = await self._off_loop(lambda: tok.encode(text, add_special_tokens=False))  # type: ignore[attr-defined]
+        return pb.TokenizeResponse(ids=ids)
 
     async def Detokenize(
         self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
@@ -252,7 +303,7 @@ class StrataServicer(pgrpc.StrataServicer):
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         address = self._running.get(request.request_id)
-        if address is None:
+        if not address:  # unknown, or not yet on a scheduler
             return pb.AbortResponse(aborted=False)
         resp = await self.router.stub(address).Abort(
             spb.AbortRequest(request_id=request.request_id), metadata=tuple(telemetry.inject_context().items())
@@ -289,7 +340,7 @@ async def serve(cfg: TokenizerConfig, stop: asyncio.Event) -> None:
     router = Router(cfg.scheduler, cfg.etcd, card.name, cfg.scheduler_wait_s)
     await router.start()
     keys = ApiKeys.load(cfg.api_key, cfg.api_key_file)
-    server = Server([*telemetry.server_interceptors(), AuthInterceptor(keys)])
+    server = Server([*telemetry.server_interceptors(), AuthInterceptor(keys)], max_receive_bytes=PUBLIC_MAX_BYTES)
     registry = CollectorRegistry()
     servicer = StrataServicer(tok, card, router, fingerprint, TokenizerMetrics(registry, card.name))
     server.add(pgrpc.add_StrataServicer_to_server, servicer, "strata.v1.Strata")
