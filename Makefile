@@ -13,7 +13,7 @@ PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := strata/.generated
 PORT ?= 50051
 
-.PHONY: native bench-attention run test test-all soak bench bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid soak-hicache lint protos install system-deps models clean
+.PHONY: fuzz native bench-attention run test test-all soak bench bench-servers bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid soak-hicache lint protos install system-deps models clean
 
 run: install models
 	$(BIN)/strata up --model $(TINY) --port $(PORT)
@@ -28,9 +28,21 @@ test-all: install models
 soak: install models
 	$(BIN)/python -m pytest -q -m slow
 
+# The public-API fuzzer at length (make test runs 60 cases of each kind).
+fuzz: install models
+	STRATA_FUZZ_EXAMPLES=2000 $(BIN)/python -m pytest -q tests/test_fuzz_api.py
+
 # Side-by-side benchmarks on the bench-size model (~10-15 min on 2 cores); writes docs/bench/ and docs/benchmarks.md.
 bench: install models $(BENCH_MODEL)/config.json
 	$(BIN)/strata bench --model $(BENCH_MODEL) --run-dir .runs/bench
+
+# Strata's OpenAI HTTP front vs `transformers serve --continuous-batching` on the same checkpoint
+# (shared-prefix and random workloads, 3 alternated repeats) and Strata HTTP vs gRPC at concurrency
+# 64 (~8 min on 2 cores); installs the bench extra, writes docs/bench/servers.json, prints the tables.
+bench-servers: install $(BENCH_MODEL)/config.json
+	@$(BIN)/python -c 'import accelerate' 2>/dev/null || $(BIN)/pip install -q --disable-pip-version-check \
+	  -c constraints.txt -e '.[bench]' --config-settings editable_mode=compat
+	$(BIN)/strata bench --only servers --model $(BENCH_MODEL) --run-dir .runs/bench-servers
 
 $(BENCH_MODEL)/config.json: | install
 	$(BIN)/strata model tiny --arch qwen3 --size bench --out $(BENCH_MODEL)

@@ -261,3 +261,34 @@ def test_keepalive_policies_agree() -> None:
     assert client["grpc.http2.min_time_between_pings_ms"] <= ping_every
     assert server["grpc.http2.min_recv_ping_interval_without_data_ms"] <= ping_every
     assert server["grpc.http2.max_ping_strikes"] == 0 and server["grpc.keepalive_permit_without_calls"] == 1
+
+
+def test_overload_sheds_at_once_and_serves_the_admitted(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """Twice what the queue holds arrives at once: the excess gets RESOURCE_EXHAUSTED at once
+    (no queueing), every admitted request completes."""
+    limits = ("--max-waiting", "4", "--max-running", "2")
+    s = start_stack(tiny_qwen3, free_port(), tmp_path, scheduler_args=limits, **QUIET)
+    try:
+        with grpc.insecure_channel(s.child("tokenizer").address) as ch:
+            api = pgrpc.StrataStub(ch)
+            _run(api, _req())  # warm
+
+            def one(i: int) -> tuple[str, float]:
+                t0 = time.perf_counter()
+                try:
+                    out = _run(api, _req(f"load {i}", 48))
+                    return ("ok" if out[-1].usage.completion_tokens == 48 else "short"), time.perf_counter() - t0
+                except grpc.RpcError as e:
+                    return e.code().name, time.perf_counter() - t0
+
+            with ThreadPoolExecutor(16) as pool:
+                results = list(pool.map(one, range(16)))
+        shed = [t for code, t in results if code == "RESOURCE_EXHAUSTED"]
+        served = [t for code, t in results if code == "ok"]
+        assert len(shed) + len(served) == 16, results
+        assert shed and len(served) >= 6, results  # 2 running + 4 waiting at least
+        assert statistics.median(shed) < 0.1 and max(shed) < 0.5, shed
+        with open(tmp_path / "scheduler.log") as f:
+            assert "Traceback" not in f.read()
+    finally:
+        s.stop()

@@ -71,6 +71,8 @@ class SchedulerLoop:
         is then the shared total)."""
         self.cfg = cfg
         self.metrics = metrics
+        if metrics is not None:
+            metrics.max_waiting.set(cfg.max_waiting)
         self.ledger = ledger
         self.link: WorkerLink | None = None
         self.batcher: Batcher | None = None
@@ -157,6 +159,8 @@ class SchedulerLoop:
                 f"max_new_tokens {req.gen.max_new_tokens}) but the worker's pool has {pool}"
             )
         if self.cfg.max_waiting and len(self.batcher.waiting) >= self.cfg.max_waiting:
+            if self.metrics is not None:
+                self.metrics.shed.inc()
             raise ResourceExhausted(
                 f"the scheduler is shedding load: {len(self.batcher.waiting)} requests are waiting "
                 f"(max_waiting {self.cfg.max_waiting}); retry later"

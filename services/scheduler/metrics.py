@@ -21,6 +21,8 @@ class SchedulerMetrics:
         m = MetricFactory(registry, "scheduler")
         self.running = m.gauge("running_requests", "Requests holding a row (prefilling or decoding).")
         self.waiting = m.gauge("waiting_requests", "Requests queued for admission.")
+        self.max_waiting = m.gauge("max_waiting_requests", "The admission queue's bound (--max-waiting; 0 = none).")
+        self.shed = m.counter("shed_requests", "Requests refused with RESOURCE_EXHAUSTED: the queue was full.")
         self.token_usage = m.gauge("token_usage", "Fraction of KV slots used by running requests.")
         self.cache_slots = m.gauge("cache_slots", "KV slots held by the prefix cache.", ["state"])
         self.prompt_tokens = m.counter("prompt_tokens", "Prompt tokens admitted (first admission).")
