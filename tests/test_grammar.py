@@ -137,6 +137,28 @@ def test_cancelled_caller_does_not_cancel_the_shared_compile(tokenizer: PreTrain
     assert svc.stats().compiles == 1
 
 
+def test_a_queued_compile_nobody_waits_for_never_runs(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Both compile threads busy with slow grammars; a third, queued, loses its only caller: it is
+    dropped before it starts, and the busy ones still finish and are cached."""
+    svc = GrammarService(tokenizer, VOCAB)
+    slow = [Constraint("regex", f"(a|b){{1,{2000 + i}}}c") for i in range(2)]
+    queued = Constraint("regex", "(x|y)+z")
+
+    async def run() -> None:
+        busy = [asyncio.create_task(svc.compile(c)) for c in slow]
+        await asyncio.sleep(0.05)  # both are running in the pool now
+        waiter = asyncio.create_task(svc.compile(queued))
+        await asyncio.sleep(0)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        await asyncio.gather(*busy)
+
+    asyncio.run(run())
+    stats = svc.stats()
+    assert (stats.cancelled, stats.compiles) == (1, 2)
+
+
 # -- errors ----------------------------------------------------------------------------------
 
 

@@ -35,6 +35,7 @@ import re
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
@@ -45,6 +46,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from services.common.errors import InvalidArgument
 
 ConstraintKind = Literal["json_schema", "regex", "ebnf"]
+COMPILE_THREADS = 2  # grammar compiles at once; more wait in the pool's queue
 _KINDS: tuple[ConstraintKind, ...] = ("json_schema", "regex", "ebnf")
 
 # JSON output may use any whitespace, but at most this many characters between two elements:
@@ -75,6 +77,7 @@ class CacheStats:
     evictions: int
     size: int  # grammars in the cache now
     bytes: int  # their approximate memory, as xgrammar reports it
+    cancelled: int = 0  # compiles dropped before they started: every caller had left
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,12 +237,17 @@ class GrammarService:
         self._cache_size = cache_size
         self._cache: OrderedDict[Constraint, CompiledGrammar] = OrderedDict()
         self._inflight: dict[Constraint, asyncio.Task[CompiledGrammar]] = {}
-        self._hits = self._joins = self._compiles = self._failures = self._evictions = 0
+        # Compiles run in this pool; one still queued when its last waiter leaves never starts.
+        self._pool = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="grammar")
+        self._jobs: dict[Constraint, Future[CompiledGrammar]] = {}
+        self._waiting: dict[Constraint, int] = {}
+        self._hits = self._joins = self._compiles = self._failures = self._evictions = self._cancelled = 0
 
     async def compile(self, constraint: Constraint) -> CompiledGrammar:
         """The compiled grammar of ``constraint``, from the cache or compiled in a thread.
 
-        Cancelling the caller does not cancel a compile others may share; its result is cached.
+        Cancelling the caller does not cancel a compile others share, nor one already running
+        (its result is cached); a compile still queued when its last caller leaves never runs.
 
         Raises:
             InvalidArgument: ``constraint.<kind>: <reason>`` for an unknown kind or a schema,
@@ -259,7 +267,17 @@ class GrammarService:
             self._inflight[constraint] = task
         else:
             self._joins += 1
-        return await asyncio.shield(task)
+        self._waiting[constraint] = self._waiting.get(constraint, 0) + 1
+        try:
+            return await asyncio.shield(task)
+        finally:
+            self._waiting[constraint] -= 1
+            if not self._waiting[constraint]:
+                del self._waiting[constraint]
+                job = self._jobs.get(constraint)
+                if not task.done() and job is not None and job.cancel():  # queued, nobody waits
+                    self._cancelled += 1
+                    task.cancel()
 
     def compile_blocking(self, constraint: Constraint) -> CompiledGrammar:
         """Compile on the calling thread, bypassing the cache (tools and tests)."""
@@ -276,16 +294,20 @@ class GrammarService:
             evictions=self._evictions,
             size=len(self._cache),
             bytes=sum(g.memory_bytes for g in self._cache.values()),
+            cancelled=self._cancelled,
         )
 
     async def _compile_and_cache(self, constraint: Constraint) -> CompiledGrammar:
         try:
-            compiled = await asyncio.to_thread(self._compile, constraint)
+            job = self._pool.submit(self._compile, constraint)
+            self._jobs[constraint] = job
+            compiled = await asyncio.wrap_future(job)
         except InvalidArgument:
             self._failures += 1
             raise
         finally:
             self._inflight.pop(constraint, None)
+            self._jobs.pop(constraint, None)
         self._compiles += 1
         self._cache[constraint] = compiled
         while len(self._cache) > self._cache_size:
