@@ -38,7 +38,7 @@ bench: install models $(BENCH_MODEL)/config.json
 
 # Strata's OpenAI HTTP front vs `transformers serve --continuous-batching` on the same checkpoint
 # (shared-prefix and random workloads, 3 alternated repeats) and Strata HTTP vs gRPC at concurrency
-# 64 (~8 min on 2 cores); installs the bench extra, writes docs/bench/servers.json, prints the tables.
+# 64 (~5 min on 2 cores); installs the bench extra, writes docs/bench/servers.json, prints the tables.
 bench-servers: install $(BENCH_MODEL)/config.json
 	@$(BIN)/python -c 'import accelerate' 2>/dev/null || $(BIN)/pip install -q --disable-pip-version-check \
 	  -c constraints.txt -e '.[bench]' --config-settings editable_mode=compat

@@ -3,6 +3,8 @@
     strata bench                      everything, default sizes (~11 min on 2 CPU cores)
     strata bench --quick              small sizes, one repeat (a smoke run, ~3 min)
     strata bench --only cache --only stack --repeats 5
+    strata bench --only servers       Strata HTTP vs `transformers serve` and HTTP vs gRPC (~5 min; runs
+                                      alone, writes <out-dir>/servers.json, not part of the default run)
 
 The default model is ``models/qwen3-bench``; a missing ``models/<arch>-bench`` is generated first.
 """
@@ -22,7 +24,8 @@ from typing import Any
 from services.bench.workloads import MultiTurnSpec, RandomSpec, SharedPrefixSpec
 
 DEFAULT_MODEL = "models/qwen3-bench"
-SECTION_NAMES = ("cache", "multi_turn", "stack", "overlap", "hf", "long_prefix", "prefill", "decode_floor", "profile")
+SECTION_NAMES = ("cache", "multi_turn", "stack", "overlap", "hf", "long_prefix", "prefill", "decode_floor", "profile",
+                 "servers")
 
 # Workload sizes: default and --quick. Explicit size flags override either.
 DEFAULT: dict[str, Any] = {
@@ -36,6 +39,12 @@ QUICK: dict[str, Any] = {
     "shared": SharedPrefixSpec(groups=2, prompts_per_group=8, system_len=256, question_len=16, output_len=16),
     "multi": MultiTurnSpec(clients=4, rounds=3, request_len=32, output_len=16, max_parallel=4),
     "long_shared": SharedPrefixSpec(groups=2, prompts_per_group=4, system_len=512, question_len=16, output_len=8),
+}
+# --only servers with --quick (its default sizes are ServersConfig's).
+SERVERS_QUICK: dict[str, Any] = {
+    "shared": SharedPrefixSpec(groups=2, prompts_per_group=4, system_len=256, question_len=16, output_len=16),
+    "random": RandomSpec(count=8, input_len=128, output_len=16),
+    "overhead": SharedPrefixSpec(groups=4, prompts_per_group=16, system_len=256, question_len=16, output_len=16),
 }
 _SIZE_FLAGS = {  # flag suffix -> (spec key, field)
     "random-count": ("random", "count"),
@@ -70,7 +79,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="append",
         choices=SECTION_NAMES,
         default=None,
-        help="run only this section (repeatable); default: all",
+        help="run only this section (repeatable); default: all but servers",
     )
     p.add_argument("--skip", action="append", choices=SECTION_NAMES, default=[], help="skip this section")
     p.add_argument("--concurrency", type=int, default=64, help="requests in flight per run")
@@ -91,16 +100,17 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--no-doc", action="store_true", help="do not touch --doc")
     p.add_argument("--run-timeout-s", type=float, default=600.0, help="cut off a run after this long")
     p.add_argument("--run-dir", default="", help="logs of the gRPC stack (default: a temporary folder)")
+    p.add_argument("--peer-args", default="", help="extra flags of `transformers serve` (servers section)")
     return p
 
 
-def _specs(args: argparse.Namespace) -> dict[str, Any]:
-    specs = dict(QUICK if args.quick else DEFAULT)
+def _specs(args: argparse.Namespace, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    specs = dict(base if base is not None else (QUICK if args.quick else DEFAULT))
     for flag, (key, field) in _SIZE_FLAGS.items():
         value = getattr(args, flag.replace("-", "_"))
-        if value is not None:
+        if value is not None and key in specs:
             specs[key] = dataclasses.replace(specs[key], **{field: value})
-    if args.multi_rate is not None:
+    if args.multi_rate is not None and "multi" in specs:
         specs["multi"] = dataclasses.replace(specs["multi"], request_rate=args.multi_rate)
     return specs
 
@@ -162,6 +172,12 @@ def run_bench(args: argparse.Namespace) -> int:
     except FileNotFoundError as e:
         print(f"strata bench: {e}", file=sys.stderr)
         return 2
+    if args.only is not None and "servers" in args.only:
+        if set(args.only) != {"servers"}:
+            print("strata bench: --only servers runs alone (it starts its own servers and writes servers.json)",
+                  file=sys.stderr)
+            return 2
+        return _run_servers(args, model)
     chosen = [s for s in SECTIONS if (args.only is None or s in args.only) and s not in args.skip]
     specs = _specs(args)
     cfg = BenchConfig(
@@ -198,6 +214,48 @@ def run_bench(args: argparse.Namespace) -> int:
     missed = [c for c in results.comparisons if c.met is False]
     for c in missed:
         print(f"goal missed: {c.name}: {c.value:.3f} < {c.goal}")
+    print(f"strata bench: done in {(time.perf_counter() - t0) / 60:.1f} min")
+    return 0
+
+
+def _run_servers(args: argparse.Namespace, model: Path) -> int:
+    """The servers section (services/bench/servers.py): prints its tables, writes ``<out-dir>/servers.json``."""
+    import shlex
+
+    from services.bench import report
+    from services.bench.hf_serve import PeerError
+    from services.bench.servers import ServersBench, ServersConfig, markdown
+
+    d = ServersConfig(model)
+    specs = _specs(args, SERVERS_QUICK if args.quick else {"shared": d.shared, "random": d.random,
+                                                          "overhead": d.overhead})
+    cfg = ServersConfig(
+        model=model,
+        repeats=args.repeats if args.repeats is not None else (1 if args.quick else 3),
+        concurrency=args.concurrency,
+        seed=args.seed,
+        shared=specs["shared"],
+        random=specs["random"],
+        overhead=specs["overhead"],
+        kv_cache_bytes=args.kv_cache_bytes,
+        max_rows=args.max_rows,
+        max_prefill_tokens=args.max_prefill_tokens,
+        run_dir=Path(args.run_dir) if args.run_dir else None,
+        run_timeout_s=args.run_timeout_s,
+        peer_args=tuple(shlex.split(args.peer_args)),
+    )
+    t0 = time.perf_counter()
+    print(f"strata bench: {model}, section servers", flush=True)
+    bench = ServersBench(cfg, machine_info(model), say=lambda line: print(line, flush=True))
+    try:
+        results = bench.run()
+    except PeerError as e:
+        print(f"strata bench: {e}", file=sys.stderr)
+        return 1
+    results.machine["load_end"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    path = report.write_json(results, Path(args.out_dir) / "servers.json")
+    print(markdown(results, bench.sides))
+    print(f"wrote {path}")
     print(f"strata bench: done in {(time.perf_counter() - t0) / 60:.1f} min")
     return 0
 
