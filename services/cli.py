@@ -30,6 +30,9 @@ def _stack_args(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
         return tuple(x for flag, v in pairs if v not in (None, "") for x in (flag, str(v)))
 
     common = given(("--host", args.host), ("--log-level", args.log_level))
+    if args.tls_files is not None:
+        f = args.tls_files
+        common += ("--tls-cert", f.cert, "--tls-key", f.key, "--tls-ca", f.ca)
     if args.metrics:
         common += ("--metrics-port", "0")
     if args.otlp_endpoint:
@@ -65,6 +68,13 @@ def _up(args: argparse.Namespace) -> int:
         return 2
     run_dir = Path(args.run_dir or f".runs/{time.strftime('%Y%m%d-%H%M%S')}")
     args.run_dir_path = str(run_dir)
+    args.tls_files = None
+    if args.tls:
+        from services.common.tls import make_dev_certs
+
+        hosts = ["localhost", "127.0.0.1", *([args.host] if args.host else [])]
+        args.tls_files = make_dev_certs(run_dir / "tls", hosts)
+        print(f"TLS on every hop: development CA and certificates in {run_dir / 'tls'} (clients trust ca.pem)")
     print(f"starting Strata for {model} (logs in {run_dir})")
     a = _stack_args(args)
     try:
@@ -76,17 +86,20 @@ def _up(args: argparse.Namespace) -> int:
         print(f"strata up: {e}", file=sys.stderr)
         return 1
     address = stack.child("tokenizer").address
-    http = stack.child("tokenizer").extra.get("http")
+    extra = stack.child("tokenizer").extra
+    scheme = "https" if "https" in extra else "http"
+    http = extra.get(scheme)
     name = args.served_model_name or model.name
     if args.example:
         try:
-            show_cache_example(address, args.example, key=(args.api_key or "").split(",")[0], out=sys.stdout)
+            ca = args.tls_files.ca if args.tls_files else ""
+            show_cache_example(address, args.example, key=(args.api_key or "").split(",")[0], out=sys.stdout, ca=ca)
         except ClientError as e:  # the stack keeps serving; the user sees why the example failed
             print(f"example request failed: {e}", file=sys.stderr)
     if http:
         print(
-            f"\nOpenAI-compatible API at http://{http}/v1 (model {name!r}); for example\n"
-            f"  curl http://{http}/v1/completions -H 'content-type: application/json' \\\n"
+            f"\nOpenAI-compatible API at {scheme}://{http}/v1 (model {name!r}); for example\n"
+            f"  curl {scheme}://{http}/v1/completions -H 'content-type: application/json' \\\n"
             f"       -d '{{\"model\": \"{name}\", \"prompt\": \"The cache\", \"max_tokens\": 16}}'"
         )
     print(f"\nStrata is serving strata.v1.Strata on {address}. Ctrl-C stops all services.", flush=True)
@@ -120,7 +133,17 @@ def _generate(args: argparse.Namespace) -> int:
         value = getattr(args, kind)
         if value:
             setattr(req, kind, Path(value[1:]).read_text() if value.startswith("@") else value)
-    generate(args.address, req, key=args.api_key, out=sys.stdout)
+    generate(args.address, req, key=args.api_key, out=sys.stdout, ca=args.tls_ca)
+    return 0
+
+
+def _cert(args: argparse.Namespace) -> int:
+    from services.common.tls import make_dev_certs
+
+    files = make_dev_certs(Path(args.out), args.host or ["localhost", "127.0.0.1"], args.days)
+    print(f"wrote a development CA ({files.ca}) and a service certificate ({files.cert}, {files.key})\n"
+          f"  services: --tls-cert {files.cert} --tls-key {files.key} --tls-ca {files.ca}\n"
+          f"  clients:  trust {files.ca}")
     return 0
 
 
@@ -158,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="", help="bind address of every service (default 127.0.0.1)")
     up.add_argument("--api-key", default="", help="API keys (comma-separated) required by /v1/* and gRPC")
     up.add_argument("--api-key-file", default="", help="a file of API keys, one per line")
+    up.add_argument("--tls", action="store_true",
+                    help="TLS on the public ports, mutual TLS between services; a development CA in "
+                         "<run-dir>/tls (real certificates: strata serve ... --tls-cert/--tls-key/--tls-ca)")
     up.add_argument("--etcd", default="", help="use this etcd endpoint instead of starting one")
     up.add_argument("--device", default="", help="worker device: cpu or cuda:N (default cpu)")
     up.add_argument("--dtype", default="", choices=["", "float32", "bfloat16", "float16"], help="weights and KV")
@@ -190,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--address", default="127.0.0.1:50051")
     gen.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY", ""),
                      help="sent as authorization: Bearer (default $STRATA_API_KEY)")
+    gen.add_argument("--tls-ca", default="", help="connect with TLS, trusting this CA (PEM file)")
     gen.add_argument("--chat", action="store_true", help="send the text as a user chat message")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -207,6 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
     constraint.add_argument("--json-schema", default="", help="a JSON schema, or @FILE")
     constraint.add_argument("--regex", default="", help="output must match this regex")
     constraint.add_argument("--ebnf", default="", help="an EBNF grammar (root ::= ...), or @FILE")
+
+    cert = sub.add_parser("cert", help="write a development CA and a certificate for the services")
+    cert.add_argument("--out", default="tls", help="directory for ca.pem, ca.key, service.pem, service.key")
+    cert.add_argument("--host", action="append", default=[], help="a host name or IP the certificate is for "
+                      "(repeatable; default localhost and 127.0.0.1)")
+    cert.add_argument("--days", type=int, default=365)
 
     model = sub.add_parser("model", help="model utilities")
     msub = model.add_subparsers(dest="model_command", required=True)
@@ -238,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
         args = parser.parse_args(argv[:2])
         sys.exit(_serve(args, argv[2:]))
     args = parser.parse_args(argv)
-    handlers = {"up": _up, "generate": _generate, "model": _model, "grpc": _grpc, "bench": _bench}
+    handlers = {"up": _up, "generate": _generate, "model": _model, "grpc": _grpc, "bench": _bench, "cert": _cert}
     from services.client import ClientError
 
     try:

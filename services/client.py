@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TextIO
 
 import grpc
@@ -25,20 +26,28 @@ def _one_line(e: grpc.RpcError) -> ClientError:
     return ClientError(f"{name}: {details}")
 
 
+def _channel(address: str, ca: str) -> grpc.Channel:
+    if not ca:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(Path(ca).read_bytes()))
+
+
 def generate(
     address: str,
     request: pb.GenerateRequest,
     key: str = "",
     out: TextIO | None = None,
     timeout_s: float = 120.0,
+    ca: str = "",
 ) -> pb.GenerateResponse:
     """Stream ``request``, writing text to ``out`` as it arrives; returns the last response with
-    the whole text and ids filled in. Raises ``ClientError`` with the server's status."""
+    the whole text and ids filled in. ``ca``: TLS, verifying the server against this CA (PEM
+    file). Raises ``ClientError`` with the server's status."""
     request.stream = True
     metadata = (("authorization", f"Bearer {key}"),) if key else None
     total = pb.GenerateResponse()
     try:
-        with grpc.insecure_channel(address) as channel:
+        with _channel(address, ca) as channel:
             for resp in pgrpc.StrataStub(channel).Generate(request, timeout=timeout_s, metadata=metadata):
                 total.token_ids.extend(resp.token_ids)
                 total.text += resp.text
@@ -71,6 +80,7 @@ def generate_text(
     out: TextIO | None = None,
     timeout_s: float = 120.0,
     key: str = "",
+    ca: str = "",
 ) -> pb.GenerateResponse:
     """One prompt, as text or as a user chat message."""
     sampling = pb.SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
@@ -81,13 +91,13 @@ def generate_text(
         req.messages.messages.add(role="user", content=text)
     else:
         req.text = text
-    return generate(address, req, key, out, timeout_s)
+    return generate(address, req, key, out, timeout_s, ca)
 
 
-def show_cache_example(address: str, prompt: str, key: str = "", out: TextIO | None = None) -> None:
+def show_cache_example(address: str, prompt: str, key: str = "", out: TextIO | None = None, ca: str = "") -> None:
     """Send ``prompt`` twice, greedy: the second reply reports the prompt pages the cache kept."""
     shown = prompt if len(prompt) <= 60 else prompt[:57] + "..."
     for attempt in ("first", "again"):
         if out is not None:
             out.write(f'\nexample ({attempt}): strata generate --address {address} "{shown}"\n')
-        generate_text(address, prompt, max_new_tokens=16, temperature=0.0, out=out, key=key)
+        generate_text(address, prompt, max_new_tokens=16, temperature=0.0, out=out, key=key, ca=ca)

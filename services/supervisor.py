@@ -157,8 +157,9 @@ def start_stack(
             address = child.wait_ready(timeout_s)
             metrics = f"   metrics http://{child.extra['metrics']}/metrics" if "metrics" in child.extra else ""
             say(f"{name:<10} {address}{metrics}   (log: {child.log_path})")
-            if "http" in child.extra:
-                say(f"{'http':<10} http://{child.extra['http']}/v1   (OpenAI-compatible)")
+            for scheme in ("http", "https"):
+                if scheme in child.extra:
+                    say(f"{scheme:<10} {scheme}://{child.extra[scheme]}/v1   (OpenAI-compatible)")
     except BaseException:
         stack.stop()
         raise

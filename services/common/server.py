@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import config
+from services.common import config, tls
 from services.common.errors import ErrorInterceptor
 
 log = logging.getLogger(__name__)
@@ -65,10 +65,16 @@ class Server:
     """
 
     def __init__(
-        self, interceptors: Sequence[grpc.aio.ServerInterceptor] = (), max_receive_bytes: int = MAX_MESSAGE_BYTES
+        self,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        max_receive_bytes: int = MAX_MESSAGE_BYTES,
+        client_auth: bool = True,
     ) -> None:
         """``max_receive_bytes``: larger requests get RESOURCE_EXHAUSTED from gRPC before any
-        handler runs (the public port takes far less than the page batches between services)."""
+        handler runs (the public port takes far less than the page batches between services).
+        ``client_auth``: with TLS configured, require a client certificate from the services' CA
+        (internal ports); the public port takes users, who bring API keys instead."""
+        self._client_auth = client_auth
         # Telemetry first so error statuses are recorded on the span; errors innermost.
         options = [*SERVER_OPTIONS, ("grpc.max_receive_message_length", max_receive_bytes)]
         self._server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()], options=options)
@@ -82,7 +88,8 @@ class Server:
 
     async def start(self, address: str) -> int:
         reflection.enable_server_reflection([*self._names, reflection.SERVICE_NAME], self._server)
-        port = self._server.add_insecure_port(address)
+        creds = tls.server_credentials(self._client_auth)
+        port = self._server.add_secure_port(address, creds) if creds else self._server.add_insecure_port(address)
         if port == 0:
             raise OSError(f"cannot bind {address}")
         await self._server.start()
@@ -130,6 +137,11 @@ def run_service(
     config.add_arguments(parser, cfg_cls)
     try:
         cfg = config.from_args(cfg_cls, parser.parse_args(argv))
+    except config.ConfigError as e:
+        parser.error(str(e))
+    try:
+        files = [getattr(cfg, f"tls_{k}", "") for k in ("cert", "key", "ca")]
+        tls.configure(tls.TlsFiles(*files))
     except config.ConfigError as e:
         parser.error(str(e))
     for key in ("model", "tokenizer"):  # the model directory a service loads (scheduler: --tokenizer)

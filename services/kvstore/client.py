@@ -12,7 +12,7 @@ from types import TracebackType
 
 import grpc
 
-from services.common import telemetry
+from services.common import telemetry, tls
 from services.common.server import CHANNEL_OPTIONS
 from services.kvstore.backends import BackendStats, PutResult
 from strata.kvstore.v1 import kvstore_pb2 as pb
@@ -74,9 +74,7 @@ class KVStoreClient:
         self.address = address
         self._batch_bytes = batch_bytes
         self._timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(
-            address, options=CHANNEL_OPTIONS, interceptors=telemetry.client_interceptors()
-        )
+        self._channel = tls.channel(address, CHANNEL_OPTIONS, telemetry.client_interceptors())
         self._stub = pb_grpc.KVStoreStub(self._channel)
 
     async def put(self, pages: Pages) -> PutResult:

@@ -47,6 +47,9 @@ class KVStoreConfig:
     )
     trace_exporter: str = field(default="none", metadata=_help("OpenTelemetry exporter: none, console, otlp"))
     trace_target: str = field(default="", metadata=_help("file path or OTLP endpoint for spans"))
+    tls_cert: str = field(default="", metadata={"help": "TLS certificate (PEM); mutual TLS with tls_ca"})
+    tls_key: str = field(default="", metadata={"help": "its private key (PEM)"})
+    tls_ca: str = field(default="", metadata={"help": "CA of the services' certificates; empty = plaintext"})
 
     def __post_init__(self) -> None:
         self.validate()

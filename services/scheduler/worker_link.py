@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from services.common import step_codec
+from services.common import step_codec, tls
 from services.common.errors import Unavailable
 from services.common.server import CHANNEL_OPTIONS
 from services.common.step import LateMasks, StepRequest, StepResult, WorkerInfo
@@ -52,7 +52,7 @@ class GrpcWorkerLink:
 
     def __init__(self, address: str, interceptors: list[Any] | None = None) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
+        self._channel = tls.channel(address, CHANNEL_OPTIONS, interceptors)
         self._stub = wgrpc.WorkerStub(self._channel)
         self._outbox: asyncio.Queue[wpb.StepRequest | None] = asyncio.Queue(MAX_IN_FLIGHT)
         self._call: Any = None

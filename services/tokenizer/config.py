@@ -29,6 +29,9 @@ class TokenizerConfig:
     trace_exporter: Literal["none", "console", "file", "otlp"] = field(default="none", metadata=_h("spans"))
     trace_target: str = field(default="", metadata=_h("file path or OTLP endpoint for spans"))
     log_level: str = field(default="info", metadata=_h("debug, info, warning, error"))
+    tls_cert: str = field(default="", metadata={"help": "TLS certificate (PEM); mutual TLS with tls_ca"})
+    tls_key: str = field(default="", metadata={"help": "its private key (PEM)"})
+    tls_ca: str = field(default="", metadata={"help": "CA of the services' certificates; empty = plaintext"})
 
     def validate(self) -> None:
         if not self.model:

@@ -38,10 +38,14 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class HttpServer:
-    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+    def __init__(self, app: FastAPI, host: str, port: int, tls_cert: str = "", tls_key: str = "") -> None:
+        """HTTPS when ``tls_cert`` and ``tls_key`` are given."""
         self._sock = bind(host, port)
         self.port = self._sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2)
+        config = uvicorn.Config(
+            app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2,
+            ssl_certfile=tls_cert or None, ssl_keyfile=tls_key or None,
+        )  # fmt: skip
         self._server = _Embedded(config)
         self._task: asyncio.Task[None] | None = None
 

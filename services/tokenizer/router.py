@@ -8,6 +8,7 @@ import time
 
 import grpc
 
+from services.common import tls
 from services.common.discovery import Discovery
 from services.common.errors import Unavailable
 from services.common.server import CHANNEL_OPTIONS
@@ -72,7 +73,7 @@ class Router:
     def stub(self, address: str) -> sgrpc.SchedulerStub:
         if address not in self._channels:
             # No tracing interceptor: the tokenizer opens its own CLIENT span per Generate call.
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = tls.channel(address, CHANNEL_OPTIONS)
             self._channels[address] = (channel, sgrpc.SchedulerStub(channel))
         return self._channels[address][1]
 

@@ -340,7 +340,9 @@ async def serve(cfg: TokenizerConfig, stop: asyncio.Event) -> None:
     router = Router(cfg.scheduler, cfg.etcd, card.name, cfg.scheduler_wait_s)
     await router.start()
     keys = ApiKeys.load(cfg.api_key, cfg.api_key_file)
-    server = Server([*telemetry.server_interceptors(), AuthInterceptor(keys)], max_receive_bytes=PUBLIC_MAX_BYTES)
+    server = Server(
+        [*telemetry.server_interceptors(), AuthInterceptor(keys)], max_receive_bytes=PUBLIC_MAX_BYTES, client_auth=False
+    )
     registry = CollectorRegistry()
     servicer = StrataServicer(tok, card, router, fingerprint, TokenizerMetrics(registry, card.name))
     server.add(pgrpc.add_StrataServicer_to_server, servicer, "strata.v1.Strata")
@@ -352,9 +354,9 @@ async def serve(cfg: TokenizerConfig, stop: asyncio.Event) -> None:
         front = OpenAIFront(
             servicer.generate, servicer.decode, card.name, card.context_length, keys, registry, router.ready
         )
-        http = HttpServer(front.app(), cfg.host, max(cfg.http_port, 0))
+        http = HttpServer(front.app(), cfg.host, max(cfg.http_port, 0), cfg.tls_cert, cfg.tls_key)
         await http.start()
-        ready_line += f" http={cfg.host}:{http.port}"
+        ready_line += f" {'https' if cfg.tls_cert else 'http'}={cfg.host}:{http.port}"
         log.info("tokenizer serving the OpenAI-compatible API on http://%s:%d/v1", cfg.host, http.port)
     registration = None
     if cfg.etcd:

@@ -53,6 +53,9 @@ class WorkerConfig:
     trace_target: str = field(default="", metadata=_h("file path or OTLP endpoint for spans"))
     lease_ttl_s: float = field(default=5.0, metadata=_h("etcd lease TTL"))
     log_level: str = field(default="info", metadata=_h("debug, info, warning, error"))
+    tls_cert: str = field(default="", metadata={"help": "TLS certificate (PEM); mutual TLS with tls_ca"})
+    tls_key: str = field(default="", metadata={"help": "its private key (PEM)"})
+    tls_ca: str = field(default="", metadata={"help": "CA of the services' certificates; empty = plaintext"})
 
     def validate(self) -> None:
         if not self.model:
