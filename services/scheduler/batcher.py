@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from services.common.step import CacheOp, JobResult, LateMasks, ReqInput, StepRequest
@@ -90,7 +90,8 @@ class Batcher:
         self.cached_tokens = 0  # Σ prompt tokens reused on first admission
         self.prompt_tokens = 0  # Σ prompt tokens on first admission
         self.held_back = 0  # admissions deferred to wait for a sibling's prefix
-        self.queue_waits: list[float] = []  # seconds from submit to first admission; metrics drain it
+        # Called with the seconds from submit to first admission (the queue-time metric).
+        self.on_queue_wait: Callable[[float], None] | None = None
         self.late_masks_sent = 0  # grammar masks sent after their step (overlap with grammars)
 
     @property
@@ -198,7 +199,8 @@ class Batcher:
                 req.cached_tokens = matched
                 self.cached_tokens += matched
                 self.prompt_tokens += len(req.prompt)
-                self.queue_waits.append(time.monotonic() - req.arrived)
+                if self.on_queue_wait is not None:
+                    self.on_queue_wait(time.monotonic() - req.arrived)
                 req.first_admission = False
             self.running.append(req)
             inputs.append((req, chunk))

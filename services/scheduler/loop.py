@@ -111,6 +111,7 @@ class SchedulerLoop:
         self.link, self.batcher = link, batcher
         if self.metrics is not None:
             self.metrics.reset()
+            batcher.on_queue_wait = self.metrics.queue_seconds.observe
         self._ready.set()
         self._wake.set()
         log.info("attached worker %s: %d slots, %d rows", info.model, info.num_slots, info.num_rows)

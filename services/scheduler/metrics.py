@@ -77,9 +77,6 @@ class SchedulerMetrics:
         self._last_mamba = self._count(self.mamba_events, stats.get("state_events", {}), self._last_mamba)
         self._last_hi = self._count(self.hicache_events, stats.get("host_events", {}), self._last_hi)
         self.generated_tokens.inc(len(result.outputs))
-        for wait in batcher.queue_waits:
-            self.queue_seconds.observe(wait)
-        batcher.queue_waits.clear()
         self.step_seconds.observe(step_s)
         self.worker_forward_seconds.observe(result.forward_s)
         self._tokens_since_log += len(result.outputs)
