@@ -296,7 +296,9 @@ def test_overload_sheds_at_once_and_serves_the_admitted(tiny_qwen3: Path, tmp_pa
         shed = [t for code, t in results if code == "RESOURCE_EXHAUSTED"]
         served = [t for code, t in results if code == "ok"]
         assert len(shed) + len(served) == 16, results
-        assert shed and len(served) >= 6, results  # 2 running + 4 waiting at least
+        # The waiting queue holds 4 whatever the timing; up to 2 more are served when the loop
+        # moves requests to running rows before the rest arrive.
+        assert shed and len(served) >= 4, results
         print(f"[fault] overload: {len(shed)} shed in {statistics.median(shed) * 1000:.0f} ms (median), "
               f"max {max(shed) * 1000:.0f} ms; {len(served)} served")
         assert statistics.median(shed) < 0.1 and max(shed) < 0.5, shed
