@@ -51,6 +51,8 @@ from services.kvstore.client import KVStoreClient
 from services.supervisor import Stack, start_stack
 from strata.v1 import strata_pb2 as pb
 from strata.v1 import strata_pb2_grpc as pgrpc
+from strata.worker.v1 import worker_pb2 as wpb
+from strata.worker.v1 import worker_pb2_grpc as wgrpc
 
 MiB = 1 << 20
 SERVICES = ("kvstore", "worker", "scheduler", "tokenizer")
@@ -76,6 +78,9 @@ SCALED_BARS_MIB = {"kvstore": 4.0, "worker": 10.0, "scheduler": 4.0, "tokenizer"
 # apart, so 64 MiB is 20 KiB per request (a third of a KV page), 10 MiB is 1.3 KiB per page put,
 # 4 MiB is 1.3 KiB per request; the L3 leak of issue #7 (~10 GB/hour) is ~100 KiB per request here.
 FULL_BARS_MIB = {"kvstore": 10.0, "worker": 64.0, "scheduler": 4.0, "tokenizer": 12.0}
+# Issue #19's bars on the slope over the last half of a run of --minutes (an hour): a flat
+# process, not only one whose thirds agree.
+HOUR_SLOPE_BARS = {"kvstore": 10.0, "worker": 20.0, "scheduler": 10.0, "tokenizer": 10.0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +99,10 @@ class SoakConfig:
     settle_s: float = 1.0  # after a repetition, before sampling: trailing backups and puts
     request_timeout_s: float = 300.0  # a request not finished by then is an error (a stall, not slowness)
     bars_mib: dict[str, float] = field(default_factory=lambda: dict(FULL_BARS_MIB))  # see FULL_BARS_MIB
+    # Bars on the RSS slope over the last half of the run, MiB per hour (empty: not judged). Only
+    # a long run makes an hourly slope meaningful: a 4 MiB allocator step in a 30 s run is 480 MiB/h.
+    slope_bars_mib_per_hour: dict[str, float] = field(default_factory=dict)
+    minutes: float = 0.0  # > 0: repeat until this long has passed (repetitions is then ignored)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -101,7 +110,9 @@ class SoakConfig:
             raise ValueError("clients, rounds, max_new_tokens and repetitions must be >= 1")
         if self.parallel < 0:
             raise ValueError("parallel must be >= 0 (0 = every client at once)")
-        if not 0 <= self.warmup <= self.repetitions - 2:
+        if self.minutes < 0:
+            raise ValueError("minutes must be >= 0 (0 = run `repetitions` repetitions)")
+        if not self.minutes and not 0 <= self.warmup <= self.repetitions - 2:
             raise ValueError(f"warmup must leave >= 2 measured repetitions (got {self.warmup} of {self.repetitions})")
         if self.turn_tokens < 1:
             raise ValueError(f"request_tokens {self.request_tokens} leaves no room for {self.rounds} rounds")
@@ -109,6 +120,8 @@ class SoakConfig:
             raise ValueError("device_tokens must hold one whole request")
         if set(self.bars_mib) != set(SERVICES):
             raise ValueError(f"bars_mib needs exactly one bar per service {SERVICES}, got {sorted(self.bars_mib)}")
+        if self.slope_bars_mib_per_hour and set(self.slope_bars_mib_per_hour) != set(SERVICES):
+            raise ValueError(f"slope_bars_mib_per_hour needs one bar per service {SERVICES} (or none)")
 
     @property
     def prompt_cap(self) -> int:
@@ -152,6 +165,22 @@ class Sample:
     kv_pages: int
     kv_hits: int
     kv_evictions: int
+    worker: dict[str, float] = field(default_factory=dict)  # the worker's GetMemory, see worker_memory
+
+
+def worker_memory(r: wpb.MemoryReport) -> dict[str, float]:
+    """The worker's memory by owner, MiB (counts as they are)."""
+    return {
+        "heap_in_use_mib": r.heap_in_use_bytes / MiB,
+        "heap_free_mib": r.heap_free_bytes / MiB,
+        "heap_mmap_mib": r.heap_mmap_bytes / MiB,
+        "arenas": float(len(r.arena_bytes)),
+        "largest_thread_arena_mib": max(r.arena_bytes[1:], default=0) / MiB,
+        "python_blocks": float(r.python_blocks),
+        "tensors": float(r.tensors),
+        "tensor_mib": r.tensor_bytes / MiB,
+        "threads": float(r.threads),
+    }
 
 
 @dataclass(slots=True)
@@ -163,10 +192,13 @@ class Trend:
     growth_mib: float  # median of the last third minus median of the first third
     spread_mib: float  # max minus min
     bar_mib: float  # growth at or above it is not flat (SoakConfig.bars_mib)
+    late_slope_mib_per_hour: float = 0.0  # least-squares over the last half of the run's clock
+    slope_bar_mib_per_hour: float = 0.0  # 0: not judged (SoakConfig.slope_bars_mib_per_hour)
 
     @property
     def flat(self) -> bool:
-        return self.growth_mib < self.bar_mib
+        within = not self.slope_bar_mib_per_hour or self.late_slope_mib_per_hour <= self.slope_bar_mib_per_hour
+        return self.growth_mib < self.bar_mib and within
 
 
 @dataclass(slots=True)
@@ -224,11 +256,17 @@ def growth(ys: list[float]) -> float:
     return statistics.median(ys[-k:]) - statistics.median(ys[:k])
 
 
-def trends(samples: list[Sample], warmup: int, bars: dict[str, float]) -> dict[str, Trend]:
-    """Per service, over the samples of repetitions ``warmup`` and later (at least two)."""
+def trends(
+    samples: list[Sample], warmup: int, bars: dict[str, float], slope_bars: dict[str, float] | None = None
+) -> dict[str, Trend]:
+    """Per service, over the samples of repetitions ``warmup`` and later (at least two); the late
+    slope over those of the last half of the run (by the load's clock)."""
     w = [s for s in samples if s.repetition >= warmup]
     if len(w) < 2:
         raise ValueError(f"{len(w)} samples after a warm-up of {warmup} repetitions; need >= 2")
+    half = samples[-1].seconds / 2
+    late = [s for s in w if s.seconds >= half]
+    late = late if len(late) >= 2 else w[-2:]
     out: dict[str, Trend] = {}
     for name in SERVICES:
         ys = [s.rss_mib[name] for s in w]
@@ -238,6 +276,8 @@ def trends(samples: list[Sample], warmup: int, bars: dict[str, float]) -> dict[s
             growth(ys),
             max(ys) - min(ys),
             bars[name],
+            slope([s.seconds for s in late], [s.rss_mib[name] for s in late]) * 3600,
+            (slope_bars or {}).get(name, 0.0),
         )
     return out
 
@@ -301,9 +341,11 @@ async def _drive(stack: Stack, cfg: SoakConfig, report: SoakReport, say: Callabl
     procs = {name: psutil.Process(stack.child(name).proc.pid) for name in SERVICES}  # type: ignore[union-attr]
     async with (
         grpc.aio.insecure_channel(stack.child("tokenizer").address) as channel,
+        grpc.aio.insecure_channel(stack.child("worker").address) as worker_channel,
         KVStoreClient(stack.child("kvstore").address) as kv,
     ):
         api = pgrpc.StrataStub(channel)
+        worker = wgrpc.WorkerStub(worker_channel)
         info = await api.GetModelInfo(pb.GetModelInfoRequest())
         if cfg.request_tokens > info.context_length:
             raise ValueError(f"request_tokens {cfg.request_tokens} > context length {info.context_length}")
@@ -311,7 +353,11 @@ async def _drive(stack: Stack, cfg: SoakConfig, report: SoakReport, say: Callabl
         poller = asyncio.create_task(_poll_kvstore(kv, report, stop))
         t0 = time.monotonic()
         try:
-            for rep in range(cfg.repetitions):
+            rep = -1
+            while True:
+                rep += 1
+                if (rep >= cfg.repetitions) if not cfg.minutes else (time.monotonic() - t0 >= cfg.minutes * 60):
+                    break
                 load = RepLoad()
                 start = time.monotonic()
                 slots = asyncio.Semaphore(cfg.parallel or cfg.clients)
@@ -324,13 +370,18 @@ async def _drive(stack: Stack, cfg: SoakConfig, report: SoakReport, say: Callabl
                 s = await kv.stats()
                 report.kv_max_used_bytes = max(report.kv_max_used_bytes, s.used_bytes)
                 rss_mib = {n: p.memory_info().rss / MiB for n, p in procs.items()}
-                sample = Sample(rep, time.monotonic() - t0, report.completed, rss_mib, *_kv_figures(s))
+                mem = worker_memory(await worker.GetMemory(wpb.GetMemoryRequest()))
+                sample = Sample(rep, time.monotonic() - t0, report.completed, rss_mib, *_kv_figures(s), mem)
                 report.samples.append(sample)
                 rss = " ".join(f"{n}={v:.1f}" for n, v in sample.rss_mib.items())
                 say(
-                    f"rep {rep}: {load.completed}/{load.requests} ok in {load.seconds:.1f}s, cached "
-                    f"{load.cached_tokens}/{load.reusable_tokens}, kvstore {s.used_bytes / MiB:.1f}/"
-                    f"{s.capacity_bytes / MiB:.1f} MiB ({s.hits} hits, {s.evictions} evictions), RSS MiB {rss}"
+                    f"rep {rep} ({sample.seconds / 60:.1f} min): {load.completed}/{load.requests} ok in "
+                    f"{load.seconds:.1f}s, cached {load.cached_tokens}/{load.reusable_tokens}, kvstore "
+                    f"{s.used_bytes / MiB:.1f}/{s.capacity_bytes / MiB:.1f} MiB ({s.hits} hits, {s.evictions} "
+                    f"evictions), RSS MiB {rss}; worker heap in use {mem['heap_in_use_mib']:.1f} free "
+                    f"{mem['heap_free_mib']:.1f} mmap {mem['heap_mmap_mib']:.1f} MiB in {mem['arenas']:.0f} "
+                    f"arenas, {mem['python_blocks']:.0f} Python blocks, {mem['tensors']:.0f} tensors "
+                    f"{mem['tensor_mib']:.1f} MiB"
                 )
                 if load.errors:  # a stalled or failing server: later repetitions would only wait longer
                     say(f"stopping after repetition {rep}: {len(load.errors)} requests failed, e.g. {load.errors[0]}")
@@ -357,22 +408,56 @@ def run_soak(model: Path, cfg: SoakConfig, run_dir: Path, say: Callable[[str], N
         asyncio.run(_drive(stack, cfg, report, say))
     finally:
         stack.stop()
-    report.trends = trends(report.samples, cfg.warmup, cfg.bars_mib)
+    report.trends = trends(report.samples, cfg.warmup, cfg.bars_mib, cfg.slope_bars_mib_per_hour)
     return report
 
 
 def table(report: SoakReport) -> str:
     rows = [
-        "| service | RSS first → last (MiB) | growth after warm-up (MiB) | bar (MiB) | MiB/hour | MiB/1k requests |",
-        "|---|---|---|---|---|---|",
+        "| service | RSS first → last (MiB) | growth after warm-up (MiB) | bar (MiB) | MiB/hour | MiB/1k requests "
+        "| MiB/hour, last half | bar (MiB/hour) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, t in report.trends.items():
         first, last = report.samples[0].rss_mib[name], report.samples[-1].rss_mib[name]
         rows.append(
             f"| {name} | {first:.1f} → {last:.1f} | {t.growth_mib:+.2f} | {t.bar_mib:.0f} "
-            f"| {t.slope_mib_per_hour:+.1f} | {t.slope_mib_per_1k_requests:+.3f} |"
+            f"| {t.slope_mib_per_hour:+.1f} | {t.slope_mib_per_1k_requests:+.3f} | {t.late_slope_mib_per_hour:+.1f} "
+            f"| {t.slope_bar_mib_per_hour or '-'} |"
         )
     return "\n".join(rows)
+
+
+def plot(report: SoakReport, path: Path) -> Path:
+    """RSS of every service over the run (left) and the worker's memory by owner (right)."""
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+
+    xs = [s.seconds / 60 for s in report.samples]
+    fig = Figure(figsize=(12, 4.5))
+    ax, bx = fig.subplots(1, 2)
+    for name in SERVICES:
+        ax.plot(xs, [s.rss_mib[name] for s in report.samples], label=name)
+    ax.set_yscale("log")
+    ax.set_xlabel("minutes")
+    ax.set_ylabel("RSS (MiB, log scale)")
+    ax.set_title("RSS after each repetition")
+    ax.legend()
+    parts = {
+        "RSS": [s.rss_mib["worker"] for s in report.samples],
+        "heap in use": [s.worker.get("heap_in_use_mib", 0.0) for s in report.samples],
+        "heap free": [s.worker.get("heap_free_mib", 0.0) for s in report.samples],
+        "tensors": [s.worker.get("tensor_mib", 0.0) for s in report.samples],
+    }
+    for label, ys in parts.items():
+        bx.plot(xs, ys, label=label)
+    bx.set_xlabel("minutes")
+    bx.set_ylabel("MiB")
+    bx.set_title("Worker memory by owner")
+    bx.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    return path
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -388,15 +473,22 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("clients", "rounds", "request_tokens", "parallel", "repetitions", "warmup", "device_tokens",
                  "host_tokens", "l3_tokens", "host_page_tokens", "seed"):  # fmt: skip
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
+    p.add_argument("--minutes", type=float, default=d.minutes,
+                   help="repeat until this long has passed (judged on the last half's slope too)")
+    p.add_argument("--plot", type=Path, default=None, help="write the RSS plot here (PNG)")
     p.add_argument("--settle-s", type=float, default=d.settle_s)
     p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)  # stop the services on `kill` / `timeout` too
-    cfg = SoakConfig(**{k: v for k, v in vars(args).items() if k not in ("model", "run_dir", "out")})
+    slope_bars = dict(HOUR_SLOPE_BARS) if args.minutes else {}
+    skip = ("model", "run_dir", "out", "plot")
+    cfg = SoakConfig(**{k: v for k, v in vars(args).items() if k not in skip}, slope_bars_mib_per_hour=slope_bars)
     report = run_soak(args.model, cfg, args.run_dir, say=lambda m: print(m, file=sys.stderr))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report.to_json(), indent=1) + "\n")
     print(table(report))
+    if args.plot is not None:
+        print(f"plot: {plot(report, args.plot)}")
     print(
         f"\n{report.completed}/{report.requests} requests in {report.wall_s:.0f}s; kvstore max "
         f"{report.kv_max_used_bytes / MiB:.2f} MiB of a {report.kv_capacity_bytes / MiB:.2f} MiB cap"

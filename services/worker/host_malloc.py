@@ -7,8 +7,17 @@ raised dynamically to at most 32 MiB) with a fresh ``mmap`` and returns freed he
 of every step: measured on the bench model, a batch-64 decode step spent more than half its time
 in those page faults (241 ms vs 105-125 ms with the thresholds below). Keeping blocks up to
 ``THRESHOLD_BYTES`` on the heap makes a freed buffer reusable at once. The cost is that the
-process keeps up to ``THRESHOLD_BYTES`` of freed heap instead of returning it; the KV and Mamba
-pools are separate ``mmap`` reservations and are unaffected (they still give memory back).
+process keeps the freed heap instead of returning it; the KV and Mamba pools are separate ``mmap``
+reservations and are unaffected (they still give memory back).
+
+What bounds the kept heap is the number of arenas. glibc gives a thread that finds its arena
+busy a new one, up to 8 per core; each arena then keeps, free, up to the largest working set any
+step ran in it. The worker runs every step on one engine thread (``WorkerServicer``), and caps
+the arenas at ``ARENAS`` (``cap_arenas``, ``M_ARENA_MAX``, before any thread starts; a
+``MALLOC_ARENA_MAX`` in the environment wins): the kept heap is then at most a couple of steps'
+peak, whatever the run's length. Measured under the
+L3 soak (docs/benchmarks.md, "Worker memory over an hour"): 12 arenas and a free heap that kept
+growing with the default; flat with these settings.
 """
 
 from __future__ import annotations
@@ -16,12 +25,15 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 
 log = logging.getLogger(__name__)
 
 THRESHOLD_BYTES = 1 << 30
+ARENAS = 2
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 _done = False
 
 
@@ -40,3 +52,16 @@ def keep_large_blocks_on_heap() -> bool:
     ok = bool(mallopt(_M_MMAP_THRESHOLD, THRESHOLD_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, THRESHOLD_BYTES))
     _done = ok
     return ok
+
+
+def cap_arenas(n: int = ARENAS) -> bool:
+    """At most ``n`` glibc arenas (unless ``MALLOC_ARENA_MAX`` is set). glibc fixes the limit the
+    first time a thread needs a new arena, so this must run before the process starts threads
+    that allocate: the worker calls it first thing in ``main``. False where it cannot apply."""
+    if "MALLOC_ARENA_MAX" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_ARENA_MAX, n))
+    except (OSError, AttributeError):
+        return False

@@ -5,19 +5,22 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 from prometheus_client import CollectorRegistry
 
 from services.common import step_codec, telemetry
-from services.common.discovery import ModelRegistry, Registration, ServiceRecord
+from services.common.discovery import ModelRegistry, Registration, ServiceRecord, advertised_address
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.metrics import MetricFactory, serve_metrics
 from services.common.server import Server, run_service
 from services.common.step import LateMasks, StepRequest, StepResult
+from services.worker import memory_report
 from services.worker.config import WorkerConfig
 from services.worker.engine import Engine, EngineConfig
+from services.worker.host_malloc import cap_arenas
 from services.worker.l3_port import KVStorePort
 from strata.worker.v1 import worker_pb2 as wpb
 from strata.worker.v1 import worker_pb2_grpc as wgrpc
@@ -37,6 +40,14 @@ class WorkerMetrics:
         self.forward_seconds = m.histogram("forward_seconds", "Forward pass time per step.")
         self.sample_seconds = m.histogram("sample_seconds", "Sampling time per step.")
         self.idle_seconds = m.histogram("idle_seconds", "Time waiting for the next step.")
+        heap_bytes = m.gauge(
+            "heap_bytes",
+            "glibc's heap (mallinfo2), by state: in_use, free (held for reuse, not returned), mmap (own mappings).",
+            ["state"],
+        )
+        heap_bytes.labels("in_use").set_function(lambda: memory_report.heap().in_use_bytes)
+        heap_bytes.labels("free").set_function(lambda: memory_report.heap().free_bytes)
+        heap_bytes.labels("mmap").set_function(lambda: memory_report.heap().mmap_bytes)
 
     def observe(self, step: StepRequest, result: StepResult) -> None:
         self.steps.inc()
@@ -51,14 +62,34 @@ class WorkerMetrics:
 class WorkerServicer(wgrpc.WorkerServicer):
     """Executes steps in order on the engine, one stream (one scheduler) at a time."""
 
-    def __init__(self, engine: Engine, metrics: WorkerMetrics | None = None) -> None:
+    def __init__(
+        self, engine: Engine, metrics: WorkerMetrics | None = None, thread: ThreadPoolExecutor | None = None
+    ) -> None:
+        """``thread``: where steps run (one thread: see ``host_malloc`` for why it is always the same)."""
         self.engine = engine
         self.metrics = metrics
+        self.thread = thread or ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._busy = False
         self._tracer = telemetry.get_tracer("strata.worker")
 
     async def GetInfo(self, request: wpb.GetInfoRequest, context: grpc.aio.ServicerContext) -> wpb.WorkerInfo:
         return step_codec.info_to_pb(self.engine.info)
+
+    async def GetMemory(self, request: wpb.GetMemoryRequest, context: grpc.aio.ServicerContext) -> wpb.MemoryReport:
+        r = memory_report.report()
+        return wpb.MemoryReport(
+            rss_bytes=r.rss_bytes,
+            heap_arena_bytes=r.heap.arena_bytes,
+            heap_in_use_bytes=r.heap.in_use_bytes,
+            heap_free_bytes=r.heap.free_bytes,
+            heap_mmap_bytes=r.heap.mmap_bytes,
+            arena_bytes=r.arena_bytes,
+            python_blocks=r.python_blocks,
+            traced_bytes=r.traced_bytes,
+            tensors=r.tensors.count,
+            tensor_bytes=r.tensors.nbytes,
+            threads=r.threads,
+        )
 
     async def Step(
         self, request_iterator: AsyncIterator[wpb.StepRequest], context: grpc.aio.ServicerContext
@@ -88,7 +119,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
                 except ValueError as e:
                     raise InvalidArgument(f"step {msg.step_id}: {e}") from e
                 self._trace_new_requests(step)
-                result = await asyncio.to_thread(self.engine.step, step, wait_late_masks)
+                result = await loop.run_in_executor(self.thread, self.engine.step, step, wait_late_masks)
                 if self.metrics is not None:
                     self.metrics.observe(step, result)
                 yield step_codec.result_to_pb(result)
@@ -131,7 +162,10 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
     port_l3 = KVStorePort(cfg.etcd) if cfg.l3 else None
     if port_l3 is not None:
         await port_l3.start()
-    engine = await asyncio.to_thread(Engine, Path(cfg.model), engine_config(cfg), port_l3)
+    thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
+    engine = await asyncio.get_running_loop().run_in_executor(
+        thread, Engine, Path(cfg.model), engine_config(cfg), port_l3
+    )
     info = engine.info
     name = cfg.model_name or info.model
     if cfg.etcd:
@@ -139,10 +173,10 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
             await models.claim(name, info.fingerprint, {"architecture": info.architecture})
     server = Server(telemetry.server_interceptors())
     registry = CollectorRegistry()
-    servicer = WorkerServicer(engine, WorkerMetrics(registry))
+    servicer = WorkerServicer(engine, WorkerMetrics(registry), thread)
     server.add(wgrpc.add_WorkerServicer_to_server, servicer, "strata.worker.v1.Worker")
     port = await server.start(f"{cfg.host}:{cfg.port}")
-    address = f"{cfg.host}:{port}"
+    address = advertised_address(cfg.host, port, cfg.advertise_host)
     metrics = serve_metrics(cfg.metrics_port, cfg.host, registry)
     registration = None
     if cfg.etcd:
@@ -151,13 +185,19 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
             "num_rows": info.num_rows,
             "mamba_slots": info.num_mamba_slots,
         }
-        record = ServiceRecord(
-            "worker", cfg.instance_id or f"worker-{port}", address, name, "rank0", capacity
-        )
+        record = ServiceRecord("worker", cfg.instance_id or f"worker-{port}", address, name, "rank0", capacity)
         registration = Registration(cfg.etcd, record, ttl_s=cfg.lease_ttl_s)
         await registration.start()
-    log.info("worker serving %s on %s (%d slots, %d rows, %d host pages, %d host states, L3 %s)", name, address,
-             info.num_slots, info.num_rows, info.host_pages, info.host_states, "on" if info.l3 else "off")
+    log.info(
+        "worker serving %s on %s (%d slots, %d rows, %d host pages, %d host states, L3 %s)",
+        name,
+        address,
+        info.num_slots,
+        info.num_rows,
+        info.host_pages,
+        info.host_states,
+        "on" if info.l3 else "off",
+    )
     print(f"READY worker {address}{metrics}", flush=True)
     await stop.wait()
     if registration is not None:
@@ -169,6 +209,7 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    cap_arenas()  # before any thread allocates (see host_malloc)
     run_service("worker", WorkerConfig, serve, argv)
 
 
