@@ -52,7 +52,7 @@ def _stack_args(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
         ("--max-waiting", args.max_waiting),
     )
     tokenizer = given(("--api-key", args.api_key), ("--api-key-file", args.api_key_file),
-                      ("--model-name", args.served_model_name))
+                      ("--model-name", args.served_model_name), ("--router-policy", args.router_policy))
     return {"common": common, "worker": worker, "scheduler": scheduler, "tokenizer": tokenizer}
 
 
@@ -65,6 +65,9 @@ def _up(args: argparse.Namespace) -> int:
     problem = model_dir_problem(args.model)
     if problem:
         print(f"strata up: {problem}", file=sys.stderr)
+        return 2
+    if args.replicas < 1:
+        print(f"strata up: --replicas must be at least 1, got {args.replicas}", file=sys.stderr)
         return 2
     run_dir = Path(args.run_dir or f".runs/{time.strftime('%Y%m%d-%H%M%S')}")
     args.run_dir_path = str(run_dir)
@@ -81,6 +84,7 @@ def _up(args: argparse.Namespace) -> int:
         stack = supervisor.start_stack(
             model, args.port, run_dir, etcd=args.etcd, worker_args=a["worker"], scheduler_args=a["scheduler"],
             common_args=a["common"], tokenizer_args=a["tokenizer"], http_port=args.http_port,
+            replicas=args.replicas,
         )
     except (supervisor.StartError, OSError) as e:
         print(f"strata up: {e}", file=sys.stderr)
@@ -185,6 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="TLS on the public ports, mutual TLS between services; a development CA in "
                          "<run-dir>/tls (real certificates: strata serve ... --tls-cert/--tls-key/--tls-ca)")
     up.add_argument("--etcd", default="", help="use this etcd endpoint instead of starting one")
+    up.add_argument("--replicas", type=int, default=1,
+                    help="worker + scheduler pairs behind the one tokenizer (each on --device)")
+    up.add_argument("--router-policy", default="", choices=["", "kv", "round_robin", "least_load"],
+                    help="how the tokenizer picks a replica (default kv: where the prompt is cached, weighed by load)")
     up.add_argument("--device", default="", help="worker device: cpu or cuda:N (default cpu)")
     up.add_argument("--dtype", default="", choices=["", "float32", "bfloat16", "float16"], help="weights and KV")
     up.add_argument("--page-size", type=int, default=None, help="tokens per KV page")

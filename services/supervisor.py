@@ -8,6 +8,7 @@ Each child is ``python -m services.<name>.server`` with flags; its output goes t
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -51,7 +52,7 @@ class Child:
                 f.seek(self._offset)
                 lines = f.read().decode(errors="replace").splitlines()
             for line in lines:
-                if line.startswith(f"READY {self.name} "):
+                if line.startswith(f"READY {self.name.split('-')[0]} "):  # worker-1 prints "READY worker"
                     words = line.split()
                     self.address = words[2]
                     self.extra = dict(w.split("=", 1) for w in words[3:] if "=" in w)
@@ -107,6 +108,11 @@ def _module(name: str) -> list[str]:
     return [sys.executable, "-m", f"services.{name}.server"]
 
 
+def _scheduler_argv(stack: Stack, worker: str, base: list[str]) -> list[str]:
+    """``base`` plus ``--worker`` the address of ``worker`` (a started child), unless empty."""
+    return [*base, *(("--worker", stack.child(worker).address) if worker else ())]
+
+
 def start_stack(
     model: Path,
     port: int,
@@ -120,9 +126,16 @@ def start_stack(
     http_port: int = 0,
     timeout_s: float = 120.0,
     say: Callable[[str], None] = print,
+    replicas: int = 1,
 ) -> Stack:
     """Start etcd (unless an endpoint is given) and kvstore, worker, scheduler, tokenizer, each
-    waiting for the previous one to be ready. On any failure everything started is stopped."""
+    waiting for the previous one to be ready. On any failure everything started is stopped.
+
+    ``replicas`` > 1: that many worker + scheduler pairs (each scheduler drives its own worker;
+    the first pair is named ``worker`` / ``scheduler``, the next ``worker-1`` / ``scheduler-1``,
+    ...), one kvstore and one tokenizer routing over all of them."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
     run_dir.mkdir(parents=True, exist_ok=True)
     stack = Stack(run_dir)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -140,17 +153,26 @@ def start_stack(
             stack.etcd_endpoint = stack.etcd.endpoint
         say(f"etcd       {stack.etcd_endpoint}")
         e = ("--etcd", stack.etcd_endpoint)
-        specs = [
+        specs: list[tuple[str, list[str] | Callable[[], list[str]]]] = [
             ("kvstore", [*_module("kvstore"), *e, *common_args, *kvstore_args]),
-            ("worker", [*_module("worker"), "--model", str(model), *e, *common_args, *worker_args]),
-            ("scheduler", [*_module("scheduler"), "--tokenizer", str(model), *e, *common_args, *scheduler_args]),
-            (
-                "tokenizer",
-                [*_module("tokenizer"), "--model", str(model), "--port", str(port),
-                 "--http-port", str(http_port), *e, *common_args, *tokenizer_args],
-            ),
         ]
-        for name, argv in specs:
+        for i in range(replicas):
+            worker, scheduler = ("worker", "scheduler") if i == 0 else (f"worker-{i}", f"scheduler-{i}")
+            specs += [
+                (worker, [*_module("worker"), "--model", str(model), *e, *common_args, *worker_args]),
+                # Its worker's address is known once that worker is ready.
+                (scheduler, functools.partial(
+                    _scheduler_argv, stack, worker if replicas > 1 else "",
+                    [*_module("scheduler"), "--tokenizer", str(model), *e, *common_args, *scheduler_args],
+                )),
+            ]
+        specs.append((
+            "tokenizer",
+            [*_module("tokenizer"), "--model", str(model), "--port", str(port),
+             "--http-port", str(http_port), *e, *common_args, *tokenizer_args],
+        ))
+        for name, args in specs:
+            argv = args() if callable(args) else args
             child = Child(name, argv, run_dir / f"{name}.log")
             stack.children.append(child)
             child.start(env)

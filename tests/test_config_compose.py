@@ -63,13 +63,22 @@ def test_compose_file_is_valid() -> None:
     )
     assert out.returncode == 0, out.stderr
     services = yaml.safe_load(out.stdout)["services"]
-    assert set(services) == {"etcd", "kvstore", "worker", "scheduler", "tokenizer"}
-    assert services["tokenizer"]["depends_on"]["scheduler"]["condition"] == "service_healthy"
-    for name in ("kvstore", "worker", "scheduler", "tokenizer"):
+    strata = ("kvstore", "worker", "scheduler", "worker-1", "scheduler-1", "tokenizer")
+    assert set(services) == {"etcd", *strata}
+    for s in ("scheduler", "scheduler-1"):
+        assert services["tokenizer"]["depends_on"][s]["condition"] == "service_healthy"
+    for name in strata:
         assert "healthcheck" in services[name]
+    # Each scheduler drives its own replica's worker; instance ids are distinct.
+    for s, w in (("scheduler", "worker"), ("scheduler-1", "worker-1")):
+        command = services[s]["command"]
+        assert command[command.index("--worker") + 1] == f"{w}:50060"
+        assert w in services[s]["depends_on"]
+    ids = [services[n]["command"][services[n]["command"].index("--instance-id") + 1] for n in strata[1:5]]
+    assert len(set(ids)) == 4, ids
     # The OpenAI port is published, and every service serves metrics inside the network.
     assert any("8000" in str(p) for p in services["tokenizer"]["ports"])
-    for name in ("kvstore", "worker", "scheduler", "tokenizer"):
+    for name in strata:
         command = services[name]["command"]
         assert command[command.index("--metrics-port") + 1] == "9100", name
         assert "9100" in [str(e) for e in services[name]["expose"]], name

@@ -21,6 +21,7 @@ import inspect
 import json
 import logging
 import math
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,6 +131,21 @@ class ModelRecord:
             return cls(name=str(obj["name"]), fingerprint=str(obj["fingerprint"]), meta=dict(obj["meta"]))
         except (KeyError, TypeError, json.JSONDecodeError) as exc:
             raise ValueError(f"malformed model record {data!r}: {exc}") from exc
+
+
+def advertised_address(host: str, port: int, advertise_host: str = "") -> str:
+    """The ``host:port`` other services reach this one at, as registered in etcd: ``advertise_host``
+    when given; else the listen host, unless it is a wildcard (0.0.0.0, ::, empty), which nobody can
+    dial: then this machine's address (a container's or pod's IP)."""
+    if advertise_host:
+        return f"{advertise_host}:{port}"
+    if host not in ("", "0.0.0.0", "::", "[::]"):
+        return f"{host}:{port}"
+    try:
+        ip = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        ip = "127.0.0.1"
+    return f"{ip}:{port}"
 
 
 def connect(endpoint: str) -> aetcd.Client:

@@ -25,6 +25,10 @@ def _help(text: str) -> dict[str, str]:
 @dataclass(frozen=True, slots=True)
 class KVStoreConfig:
     host: str = field(default="127.0.0.1", metadata=_help("address to listen on"))
+    advertise_host: str = field(default="", metadata=_help(
+        "the host other services reach this one at, registered in etcd; "
+        "empty = --host, or this machine's IP when --host is a wildcard (0.0.0.0)"
+    ))
     port: int = field(default=0, metadata=_help("port to listen on; 0 picks a free one"))
     capacity_bytes: int = field(
         default=256 * MiB, metadata=_help("cap on stored page bytes; least recently used pages are evicted")

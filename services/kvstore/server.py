@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from services.common import telemetry
 from services.common.discovery import Registration as EtcdRegistration
-from services.common.discovery import ServiceRecord
+from services.common.discovery import ServiceRecord, advertised_address
 from services.common.errors import InvalidArgument
 from services.common.metrics import MetricFactory, serve_metrics
 from services.common.server import Server, run_service
@@ -158,7 +158,7 @@ def _metrics(backend: Backend) -> CollectorRegistry:
 @contextlib.asynccontextmanager
 async def etcd_registration(cfg: KVStoreConfig, port: int) -> AsyncIterator[None]:
     """Publish this shard under ``/strata/v1/services/kvstore/<id>`` for as long as it serves."""
-    address = f"{cfg.host}:{port}"
+    address = advertised_address(cfg.host, port, cfg.advertise_host)
     capacity = {"capacity_bytes": cfg.capacity_bytes, "backend": cfg.backend}
     record = ServiceRecord("kvstore", cfg.instance_id or f"kvstore-{port}", address, capacity=capacity)
     reg = EtcdRegistration(cfg.etcd, record)

@@ -22,6 +22,7 @@ from services.common.step import WorkerInfo
 from services.common.validation import Limits
 from services.scheduler.batcher import Batcher, BatchLimits, Plan
 from services.scheduler.budget_ledger import BudgetLedger
+from services.scheduler.cache_events import ROUTE_PAGE_TOKENS, CacheEventLog, Keying
 from services.scheduler.elastic_control import ElasticConfig, ElasticControl
 from services.scheduler.memory import HiConfig, MemoryConfig, build_memory
 from services.scheduler.metrics import SchedulerMetrics
@@ -82,6 +83,7 @@ class SchedulerLoop:
         self._ready = asyncio.Event()
         self._orphans: list[Req] = []  # requeued while no worker is attached
         self._detached_at = 0.0
+        self.cache_events = CacheEventLog()  # what the prefix cache holds, for WatchCache
 
     # -- workers --------------------------------------------------------------------------------
     @property
@@ -109,6 +111,12 @@ class SchedulerLoop:
             batcher.waiting.append(req)
         self._orphans = []
         self.link, self.batcher = link, batcher
+        events = self.cache_events
+        if mem.follow(events.on_tree_event, events.on_host_page):
+            page = info.host_page_tokens if mem.host is not None else ROUTE_PAGE_TOKENS
+            events.attach(Keying(page, info.fingerprint, info.kv_layout or "device"))
+        else:
+            events.attach(None)
         if self.metrics is not None:
             self.metrics.reset()
             batcher.on_queue_wait = self.metrics.queue_seconds.observe
@@ -121,6 +129,7 @@ class SchedulerLoop:
         self.link, self.batcher = None, None
         self._ready.clear()
         self._detached_at = time.monotonic()
+        self.cache_events.attach(None)
         if batcher is not None:
             batcher.fail_all(reason)
             self._orphans = [r for r in batcher.waiting if not r.aborted]

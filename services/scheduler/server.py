@@ -14,7 +14,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from services.common import step_codec, telemetry, validation
-from services.common.discovery import Discovery, Registration, ServiceRecord
+from services.common.discovery import Discovery, Registration, ServiceRecord, advertised_address
 from services.common.errors import AlreadyExists, FailedPrecondition
 from services.common.metrics import serve_metrics
 from services.common.server import Server, run_service
@@ -31,6 +31,9 @@ from strata.scheduler.v1 import scheduler_pb2_grpc as sgrpc
 from strata.v1 import strata_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+# WatchCache: with no cache change, the load is sent at most this often (when it changed).
+LOAD_INTERVAL_S = 0.05
 
 _FINISH = {
     Finish.STOP: pb.FINISH_REASON_STOP,
@@ -130,6 +133,42 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
         return spb.AbortResponse(aborted=self.loop.abort(request.request_id))
 
     async def GetLoad(self, request: spb.GetLoadRequest, context: grpc.aio.ServicerContext) -> spb.Load:
+        return self._load()
+
+    async def WatchCache(
+        self, request: spb.WatchCacheRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[spb.CacheEvents]:
+        log_ = self.loop.cache_events
+        sub = log_.subscribe()
+        last_load = None
+        last_id = 0
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(sub.wake.wait(), LOAD_INTERVAL_S)
+                load = self._load()
+                batches = log_.take(sub)
+                if not batches:  # nothing cached changed: the load alone, when it changed
+                    if load == last_load:
+                        continue
+                    yield spb.CacheEvents(epoch=log_.epoch, event_id=last_id, load=load)
+                for b in batches:
+                    msg = spb.CacheEvents(
+                        epoch=log_.epoch, event_id=b.event_id, snapshot=b.snapshot, stored=b.stored,
+                        removed=b.removed, load=load,
+                    )
+                    if b.snapshot and log_.keying is not None:
+                        k = log_.keying
+                        msg.keying.CopyFrom(spb.PageKeying(
+                            page_tokens=k.page_tokens, model_fingerprint=k.model_fingerprint, layout=k.layout
+                        ))
+                    last_id = b.event_id
+                    yield msg
+                last_load = load
+        finally:
+            log_.unsubscribe(sub)
+
+    def _load(self) -> spb.Load:
         b = self.loop.batcher
         c = self.loop.counters
         load = spb.Load(
@@ -144,6 +183,7 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
             load.running, load.waiting = len(b.running), len(b.waiting)
             load.used_slots, load.total_slots, load.evictable_slots = u.used_by_requests, u.size, u.evictable
             load.cached_tokens = b.cached_tokens
+            load.waiting_tokens = sum(len(r.prompt) for r in b.waiting)
         return load
 
 
@@ -208,7 +248,7 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event, ready: asyncio.Event 
     servicer = SchedulerServicer(loop, cfg.tokenizer, cfg.grammar_cache, l3)
     server.add(sgrpc.add_SchedulerServicer_to_server, servicer, "strata.scheduler.v1.Scheduler")
     port = await server.start(f"{cfg.host}:{cfg.port}")
-    address = f"{cfg.host}:{port}"
+    address = advertised_address(cfg.host, port, cfg.advertise_host)
     metrics = serve_metrics(cfg.metrics_port, cfg.host, registry)
     registration = None
     if cfg.etcd:

@@ -17,6 +17,10 @@ class TokenizerConfig:
     model: str = field(default="", metadata=_h("Hugging Face model directory (tokenizer files, config.json)"))
     model_name: str = field(default="", metadata=_h("served model name; empty = directory name"))
     host: str = field(default="127.0.0.1", metadata=_h("address to listen on"))
+    advertise_host: str = field(default="", metadata=_h(
+        "the host other services reach this one at, registered in etcd; "
+        "empty = --host, or this machine's IP when --host is a wildcard (0.0.0.0)"
+    ))
     port: int = field(default=50051, metadata=_h("public port; 0 picks a free one"))
     http_port: int = field(default=8000, metadata=_h("OpenAI-compatible HTTP port; 0 = off, -1 = pick a free one"))
     api_key: str = field(default="", metadata=_h("API keys (comma-separated) required on /v1/* and gRPC; empty = none"))
@@ -25,6 +29,13 @@ class TokenizerConfig:
     etcd: str = field(default="", metadata=_h("etcd endpoint host:port; empty = use --scheduler"))
     scheduler: str = field(default="", metadata=_h("a fixed scheduler address instead of discovery"))
     scheduler_wait_s: float = field(default=5.0, metadata=_h("how long a request waits for a scheduler to register"))
+    router_policy: Literal["kv", "round_robin", "least_load"] = field(default="kv", metadata=_h(
+        "which discovered scheduler serves a request: kv (most of the prompt cached, weighed against "
+        "load), least_load, round_robin"
+    ))
+    router_load_weight: float = field(
+        default=32.0, metadata=_h("kv / least_load routing: prompt tokens one running request weighs as")
+    )
     metrics_port: int = field(default=-1, metadata=_h("Prometheus port; -1 = off, 0 = pick"))
     trace_exporter: Literal["none", "console", "file", "otlp"] = field(default="none", metadata=_h("spans"))
     trace_target: str = field(default="", metadata=_h("file path or OTLP endpoint for spans"))
@@ -38,5 +49,7 @@ class TokenizerConfig:
             raise ConfigError("model: a Hugging Face model directory is required")
         if not self.etcd and not self.scheduler:
             raise ConfigError("etcd or scheduler: one is needed to find a scheduler")
+        if self.router_load_weight < 0:
+            raise ConfigError(f"router_load_weight: must be >= 0, got {self.router_load_weight}")
         if not -1 <= self.http_port <= 65535:
             raise ConfigError(f"http_port: must be -1 (pick), 0 (off) or a port, got {self.http_port}")

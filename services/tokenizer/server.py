@@ -17,16 +17,17 @@ from prometheus_client import CollectorRegistry
 
 from services.common import telemetry, validation
 from services.common.auth import ApiKeys, AuthInterceptor
-from services.common.discovery import ModelRegistry, Registration, ServiceRecord
+from services.common.discovery import ModelRegistry, Registration, ServiceRecord, advertised_address
 from services.common.errors import AlreadyExists, InvalidArgument, StrataError
 from services.common.metrics import LENGTH_BUCKETS, REQUEST_BUCKETS_S, MetricFactory, serve_metrics
 from services.common.server import Server, run_service
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.http_server import HttpServer
+from services.tokenizer.kv_index import Choice
 from services.tokenizer.model_files import ModelCard, load_tokenizer, read_card
 from services.tokenizer.openai_api import OpenAIFront
-from services.tokenizer.router import Router
+from services.tokenizer.router import Router, Ticket
 from strata.scheduler.v1 import scheduler_pb2 as spb
 from strata.v1 import strata_pb2 as pb
 from strata.v1 import strata_pb2_grpc as pgrpc
@@ -63,12 +64,28 @@ class TokenizerMetrics:
         self.latency_seconds = m.histogram("e2e_latency_seconds", "Request to last token.", M, REQUEST_BUCKETS_S)
         self.prompt_len = m.histogram("request_prompt_tokens", "Prompt length per request.", M, LENGTH_BUCKETS)
         self.output_len = m.histogram("request_generation_tokens", "Output length per request.", M, LENGTH_BUCKETS)
+        R = ["replica"]
+        self.routed_requests = m.counter("routed_requests", "Requests finished, by the scheduler routed to.", R)
+        self.routed_prompt = m.counter("routed_prompt_tokens", "Prompt tokens of those requests.", R)
+        self.routed_cached = m.counter("routed_cached_tokens", "Their prompt tokens the replica served from cache.", R)
+        self.routed_predicted = m.counter(
+            "routed_predicted_cached_tokens", "Their prompt tokens the router expected the replica to hold.", R
+        )
+        self.index_pages = m.gauge("router_index_pages", "Page keys in the router's cache index (every replica).")
         self.model = model
 
     def tokens(self, n: int, gap_s: float) -> None:
         """``n`` tokens arrived ``gap_s`` after the previous ones."""
         if n > 0:
             self.itl_seconds.labels(self.model).observe(gap_s / n)
+
+    def routed(self, choice: Choice, usage: pb.Usage) -> None:
+        """Where a finished request went: predicted and realised cache hits per replica."""
+        a = choice.address
+        self.routed_requests.labels(a).inc()
+        self.routed_prompt.labels(a).inc(usage.prompt_tokens)
+        self.routed_cached.labels(a).inc(usage.cached_tokens)
+        self.routed_predicted.labels(a).inc(choice.overlap_tokens)
 
     def finished(self, last: pb.GenerateResponse, t0: float, first: float | None) -> None:
         name = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
@@ -196,10 +213,13 @@ class StrataServicer(pgrpc.StrataServicer):
         )
         trace_md = tuple(telemetry.inject_context(set_span_in_context(span)).items())
         call: grpc.aio.UnaryStreamCall | None = None
+        ticket: Ticket | None = None
         t0, first = time.perf_counter(), None
         previous = t0
         try:
-            call, resp = await self._open(rid, sreq, trace_md, timeout_s)
+            call, resp, ticket = await self._open(rid, sreq, trace_md, timeout_s)
+            span.set_attribute("strata.replica", ticket.choice.address)
+            span.set_attribute("strata.predicted_cached_tokens", ticket.choice.overlap_tokens)
             while resp is not grpc.aio.EOF:
                 final = pb.GenerateResponse(request_id=rid)
                 if resp.token_ids:
@@ -234,8 +254,11 @@ class StrataServicer(pgrpc.StrataServicer):
                     all_text.append(final.text)
                     all_lps += final.logprobs
                 if final.finish_reason:
+                    span.set_attribute("strata.cached_tokens", final.usage.cached_tokens)
                     if self.metrics is not None:
                         self.metrics.finished(final, t0, first)
+                        if ticket is not None:
+                            self.metrics.routed(ticket.choice, final.usage)
                     if not request.stream:
                         yield pb.GenerateResponse(
                             request_id=rid,
@@ -257,29 +280,36 @@ class StrataServicer(pgrpc.StrataServicer):
             self._running.pop(rid, None)
             if call is not None:
                 call.cancel()
+            if ticket is not None:
+                ticket.finish()
             span.end()
 
     async def _open(
         self, rid: str, sreq: spb.GenerateRequest, metadata: tuple[tuple[str, str], ...], timeout_s: float | None
-    ) -> tuple[grpc.aio.UnaryStreamCall, Any]:
+    ) -> tuple[grpc.aio.UnaryStreamCall, Any, Ticket]:
         """Start ``sreq`` on a scheduler and read its first response. A scheduler that is
         unreachable (or has no worker) before answering anything is set aside for a moment and
         the next one is tried, so a dead or restarted scheduler costs a request nothing while
         another serves."""
         tried: set[str] = set()
         while True:
-            address, stub = await self.router.pick(exclude=tried)
+            ticket, stub = await self.router.pick(exclude=tried, tokens=sreq.input_ids, salt=sreq.cache_salt)
+            address = ticket.choice.address
             self._running[rid] = address
             # The client's deadline goes with the call: the scheduler drops the request when it passes.
             call = stub.Generate(sreq, metadata=metadata, timeout=timeout_s)
             try:
-                return call, await call.read()
+                first = await call.read()
             except grpc.aio.AioRpcError as e:
+                ticket.finish()
                 if e.code() != grpc.StatusCode.UNAVAILABLE or len(tried) + 1 >= self.router.count():
                     raise
                 log.info("scheduler %s unavailable (%s); trying another", address, e.details())
                 self.router.set_aside(address)
                 tried.add(address)
+                continue
+            ticket.first_token()
+            return call, first, ticket
 
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
@@ -337,17 +367,21 @@ async def serve(cfg: TokenizerConfig, stop: asyncio.Event) -> None:
         async with ModelRegistry(cfg.etcd) as models:
             rec = await models.get(card.name)
             fingerprint = rec.fingerprint if rec is not None else ""
-    router = Router(cfg.scheduler, cfg.etcd, card.name, cfg.scheduler_wait_s)
+    router = Router(
+        cfg.scheduler, cfg.etcd, card.name, cfg.scheduler_wait_s, cfg.router_policy, cfg.router_load_weight
+    )
     await router.start()
     keys = ApiKeys.load(cfg.api_key, cfg.api_key_file)
     server = Server(
         [*telemetry.server_interceptors(), AuthInterceptor(keys)], max_receive_bytes=PUBLIC_MAX_BYTES, client_auth=False
     )
     registry = CollectorRegistry()
-    servicer = StrataServicer(tok, card, router, fingerprint, TokenizerMetrics(registry, card.name))
+    metrics = TokenizerMetrics(registry, card.name)
+    metrics.index_pages.set_function(lambda: router.index.pages)
+    servicer = StrataServicer(tok, card, router, fingerprint, metrics)
     server.add(pgrpc.add_StrataServicer_to_server, servicer, "strata.v1.Strata")
     port = await server.start(f"{cfg.host}:{cfg.port}")
-    address = f"{cfg.host}:{port}"
+    address = advertised_address(cfg.host, port, cfg.advertise_host)
     http = None
     ready_line = f"READY tokenizer {address}{serve_metrics(cfg.metrics_port, cfg.host, registry)}"
     if cfg.http_port:

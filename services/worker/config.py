@@ -18,6 +18,10 @@ class WorkerConfig:
     model: str = field(default="", metadata=_h("Hugging Face model directory (config.json, safetensors)"))
     model_name: str = field(default="", metadata=_h("name to serve it under; empty = directory name"))
     host: str = field(default="127.0.0.1", metadata=_h("address to listen on"))
+    advertise_host: str = field(default="", metadata=_h(
+        "the host other services reach this one at, registered in etcd; "
+        "empty = --host, or this machine's IP when --host is a wildcard (0.0.0.0)"
+    ))
     port: int = field(default=0, metadata=_h("port to listen on; 0 picks a free one"))
     instance_id: str = field(default="", metadata=_h("etcd instance id; empty = worker-<port>"))
     etcd: str = field(default="", metadata=_h("etcd endpoint host:port; empty = no registration"))

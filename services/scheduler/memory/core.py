@@ -33,11 +33,12 @@ pool, for the state pool, and (with ``reserved``) for the host pools.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from services.common.step import CacheOp, JobResult, ReleaseRow
 from services.scheduler.memory.allocator import RowAllocator, SlotAllocator
-from services.scheduler.memory.base import CacheKey, NoCache, PrefixCache
+from services.scheduler.memory.base import CacheKey, EventSink, NoCache, PrefixCache
 from services.scheduler.memory.host import HostTier, match_key
 from services.scheduler.memory.ops import step_ops
 from services.scheduler.memory.states import StateTrack
@@ -71,6 +72,16 @@ class Memory:
         self.caching = not isinstance(tree, NoCache)
         self.evicted = 0  # slots evicted from the tree so far
         self._released_rows: list[CacheOp] = []
+
+    def follow(self, on_tree: EventSink | None, on_host_page: Callable[[bytes, bool], None] | None) -> bool:
+        """Report what the cache gains and loses: the tree's insert and evict events and the host
+        pool's pages by key (for WatchCache). False with the cache off (nothing to report)."""
+        if not isinstance(self.tree, PrefixTree):
+            return False
+        self.tree.on_event = on_tree
+        if self.host is not None:
+            self.host.follow_pages(on_host_page)
+        return True
 
     @property
     def size(self) -> int:

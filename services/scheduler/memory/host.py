@@ -108,6 +108,10 @@ class HostTier(Protocol):
         """Host pool pages by state: free, evictable, protected."""
         ...
 
+    def follow_pages(self, on_change: Callable[[bytes, bool], None] | None) -> None:
+        """Report each KV page key the host pool gains (True) or loses (False)."""
+        ...
+
     def check_idle(self) -> None:
         """The host pools' books balance (raises AssertionError)."""
         ...

@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from services.scheduler.memory.host_alloc import HostPageAllocator
@@ -43,6 +43,7 @@ class HostIndex:
         self._pinned = 0  # entries with pins > 0
         self.reserved = 0  # indexes handed out by reserve and not yet added or released
         self.evictions = 0
+        self.on_change: Callable[[bytes, bool], None] | None = None  # (key, added): a key came or went
 
     # -- queries --------------------------------------------------------------------------------
     @property
@@ -107,6 +108,8 @@ class HostIndex:
             victims = [k for k, _ in itertools.islice(free, n)]
         for key in victims:
             self._alloc.free([self._entries.pop(key).index])
+            if self.on_change is not None:
+                self.on_change(key, False)
         self.evictions += len(victims)
         return len(victims)
 
@@ -125,6 +128,8 @@ class HostIndex:
             self._entries.move_to_end(key)
             return False
         self._entries[key] = HostEntry(index)
+        if self.on_change is not None:
+            self.on_change(key, True)
         return True
 
     # -- pins -----------------------------------------------------------------------------------

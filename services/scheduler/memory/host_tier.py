@@ -88,6 +88,9 @@ class HostTier:
         if cfg.write_policy == "write_back":
             tree.on_remove = lambda *node: host_writes.evicted(self, *node)
 
+    def follow_pages(self, on_change: Callable[[bytes, bool], None] | None) -> None:
+        self.kv_host.on_change = on_change
+
     # -- keys -----------------------------------------------------------------------------------
     def _hashes(self, key: CacheKey) -> list[bytes]:
         ns = self._ns.get(key.extra)

@@ -97,7 +97,7 @@ class PrefixTree(PrefixCache):
         self.marconi_alpha = marconi_alpha
         self.has_states = free_states is not None
         self._free_states = free_states
-        self._on_event = on_event
+        self.on_event = on_event
         self._roots: dict[str, TreeNode] = {}
         self._leaves: set[TreeNode] = set()  # childless non-root nodes: KV eviction candidates
         self._stateful: set[TreeNode] = set()  # nodes with a state: state eviction candidates
@@ -108,6 +108,10 @@ class PrefixTree(PrefixCache):
         self.on_remove: OnRemove | None = None
 
     # -- queries --------------------------------------------------------------------------------
+
+    def roots(self) -> dict[str, TreeNode]:
+        """One root per extra key that has cached prefixes (read-only: for walking the tree)."""
+        return self._roots
 
     def match(self, key: CacheKey, *, touch: bool = True) -> TreeMatch:
         """The longest usable prefix of `key` (whole pages; with states, up to the deepest state).
@@ -226,8 +230,8 @@ class PrefixTree(PrefixCache):
             self._leaves.add(leaf)
             self._evictable += n - end
             node = leaf
-            if self._on_event is not None:
-                self._on_event(CacheEvent("insert", key.extra, end, tokens[:n]))
+            if self.on_event is not None:
+                self.on_event(CacheEvent("insert", key.extra, end, tokens[:n]))
         self._touch_path(node)
         if state is None:
             return InsertResult(end, False)

@@ -78,10 +78,10 @@ def _remove_leaf(t: PrefixTree, leaf: TreeNode, kv: list[int], states: list[int]
     while True:
         parent = node.parent
         assert parent is not None and not node.children and node.lock_ref == 0
-        if t._on_event is not None or t.on_remove is not None:
+        if t.on_event is not None or t.on_remove is not None:
             path = path_tokens(node)
-            if t._on_event is not None:
-                t._on_event(CacheEvent("evict", node.extra, len(path) - len(node.key), path))
+            if t.on_event is not None:
+                t.on_event(CacheEvent("evict", node.extra, len(path) - len(node.key), path))
             if t.on_remove is not None:
                 t.on_remove(node.extra, path, len(path) - len(node.key), node.value, node.state)
         kv.extend(node.value)

@@ -1,0 +1,223 @@
+"""Which scheduler holds which pages, and which one a request should go to.
+
+Each scheduler streams the keys of the pages its cache holds (``Scheduler/WatchCache``: a
+snapshot, then stored / removed batches with consecutive ids, and its load). ``KvIndex`` keeps one
+global map page key → replicas holding it, kept from those streams. A request's overlap with a
+replica is the number of its leading pages that replica holds, computed with that replica's keying
+(page size, model fingerprint, layout) and the request's cache salt, so salts never match each
+other's pages.
+
+The choice (``choose``) minimises, over the replicas, an estimate of the work a request waits for,
+in tokens of prefill:
+
+    cost(r) = (prompt − overlap(r))          the prompt tokens r would compute
+            + queued(r)                      prompt tokens waiting on r (its report, or what this
+                                             router sent it since, whichever is larger)
+            + load_weight × running(r)       requests decoding on r (each slows every step)
+
+Policies: ``kv`` (the cost above), ``least_load`` (the cost with no overlap term), ``round_robin``.
+Ties go round-robin, so equal replicas share the load. Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from services.common.page_hash import HashNamespace, extend_hashes
+
+Policy = Literal["kv", "round_robin", "least_load"]
+POLICIES: tuple[Policy, ...] = ("kv", "round_robin", "least_load")
+DEFAULT_LOAD_WEIGHT = 32.0  # prompt tokens one running request weighs as
+
+
+@dataclass(frozen=True, slots=True)
+class Keying:
+    page_tokens: int
+    model_fingerprint: str
+    layout: str
+
+
+@dataclass(slots=True)
+class Replica:
+    """What the router knows of one scheduler."""
+
+    address: str
+    epoch: int = 0
+    event_id: int = 0
+    keying: Keying | None = None  # None until its first snapshot
+    pages: set[bytes] = field(default_factory=set)
+    running: int = 0  # from its last load report
+    waiting_tokens: int = 0
+    sent_tokens: int = 0  # prompt tokens this router sent it that have not started (no first token)
+    sent_running: int = 0  # requests this router sent it that have not finished
+
+    @property
+    def queued(self) -> int:
+        return max(self.waiting_tokens, self.sent_tokens)
+
+    @property
+    def busy(self) -> int:
+        return max(self.running, self.sent_running)
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    address: str
+    overlap_tokens: int  # predicted cached prompt tokens on that replica
+    cost: float
+
+
+class KvIndex:
+    def __init__(self) -> None:
+        self.replicas: dict[str, Replica] = {}
+        self._holders: dict[bytes, set[str]] = {}
+        self._seeds: dict[tuple[Keying, str], bytes] = {}
+
+    # -- keeping it -------------------------------------------------------------------------------
+    def replica(self, address: str) -> Replica:
+        r = self.replicas.get(address)
+        if r is None:
+            r = self.replicas[address] = Replica(address)
+        return r
+
+    def apply(
+        self,
+        address: str,
+        *,
+        epoch: int,
+        event_id: int,
+        snapshot: bool,
+        stored: Iterable[bytes],
+        removed: Iterable[bytes],
+        keying: Keying | None = None,
+    ) -> bool:
+        """Apply one batch from ``address``'s stream. False when it does not follow the last one
+        (a gap in the ids, or another epoch): the caller should subscribe again for a snapshot;
+        the replica's pages are then unknown (cleared) until it comes."""
+        r = self.replica(address)
+        if snapshot:
+            self._clear(r)
+            r.epoch, r.event_id, r.keying = epoch, event_id, keying
+            self._add(r, stored)
+            return True
+        if epoch != r.epoch or r.keying is None:
+            self._clear(r)
+            return False
+        if event_id == r.event_id:  # a load report
+            return True
+        if event_id != r.event_id + 1:
+            self._clear(r)
+            return False
+        r.event_id = event_id
+        self._add(r, stored)
+        for key in removed:
+            r.pages.discard(key)
+            holders = self._holders.get(key)
+            if holders is not None:
+                holders.discard(address)
+                if not holders:
+                    del self._holders[key]
+        return True
+
+    def _add(self, r: Replica, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            r.pages.add(key)
+            self._holders.setdefault(key, set()).add(r.address)
+
+    def _clear(self, r: Replica) -> None:
+        for key in r.pages:
+            holders = self._holders.get(key)
+            if holders is not None:
+                holders.discard(r.address)
+                if not holders:
+                    del self._holders[key]
+        r.pages = set()
+        r.keying = None
+
+    def unknown(self, address: str) -> None:
+        """``address``'s pages are no longer known (its stream broke): route to it by load only."""
+        self._clear(self.replica(address))
+
+    def drop(self, address: str) -> None:
+        """Forget a replica (it left discovery)."""
+        r = self.replicas.pop(address, None)
+        if r is not None:
+            self._clear(r)
+
+    @property
+    def pages(self) -> int:
+        return len(self._holders)
+
+    # -- using it ---------------------------------------------------------------------------------
+    def keys(self, keying: Keying, tokens: Sequence[int], salt: str) -> list[bytes]:
+        seed = self._seeds.get((keying, salt))
+        if seed is None:
+            ns = HashNamespace(keying.model_fingerprint, keying.layout, cache_salt=salt)
+            seed = self._seeds[(keying, salt)] = ns.seed
+            if len(self._seeds) > 4096:  # per-user salts must not accumulate
+                self._seeds.clear()
+        return extend_hashes(seed, tokens, keying.page_tokens)
+
+    def overlaps(self, addresses: Sequence[str], tokens: Sequence[int], salt: str) -> dict[str, int]:
+        """Predicted cached prompt tokens on each replica: its leading pages in the index (never
+        the whole prompt: the last token is always computed)."""
+        out = dict.fromkeys(addresses, 0)
+        by_keying: dict[Keying, list[str]] = {}
+        for a in addresses:
+            r = self.replicas.get(a)
+            if r is not None and r.keying is not None:
+                by_keying.setdefault(r.keying, []).append(a)
+        for keying, group in by_keying.items():
+            alive = set(group)
+            matched = 0
+            for key in self.keys(keying, tokens, salt):
+                holders = self._holders.get(key)
+                if not holders:
+                    break
+                still = alive & holders
+                for a in alive - still:
+                    out[a] = matched * keying.page_tokens
+                alive = still
+                if not alive:
+                    break
+                matched += 1
+            for a in alive:
+                out[a] = matched * keying.page_tokens
+        cap = max(len(tokens) - 1, 0)
+        return {a: min(n, cap) for a, n in out.items()}
+
+
+class Chooser:
+    """Applies a policy over the index; keeps the round-robin position for ties."""
+
+    def __init__(self, index: KvIndex, policy: Policy = "kv", load_weight: float = DEFAULT_LOAD_WEIGHT) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"router policy: {policy!r} is not one of {', '.join(POLICIES)}")
+        self.index = index
+        self.policy = policy
+        self.load_weight = load_weight
+        self._rr = itertools.count()
+
+    def choose(self, addresses: Sequence[str], tokens: Sequence[int], salt: str = "") -> Choice:
+        if not addresses:
+            raise ValueError("no replica to choose from")
+        turn = next(self._rr)
+        if self.policy == "round_robin" or len(addresses) == 1:
+            a = addresses[turn % len(addresses)]
+            overlap = self.index.overlaps([a], tokens, salt)[a] if self.policy != "round_robin" else 0
+            return Choice(a, overlap, 0.0)
+        overlaps = (
+            self.index.overlaps(addresses, tokens, salt) if self.policy == "kv" else dict.fromkeys(addresses, 0)
+        )
+        costs = {a: self.cost(a, len(tokens), overlaps[a]) for a in addresses}
+        best = min(costs.values())
+        tied = [a for a in addresses if costs[a] == best]
+        a = tied[turn % len(tied)]
+        return Choice(a, overlaps[a], best)
+
+    def cost(self, address: str, prompt: int, overlap: int) -> float:
+        r = self.index.replicas.get(address) or Replica(address)
+        return (prompt - overlap) + r.queued + self.load_weight * r.busy

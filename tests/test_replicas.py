@@ -1,0 +1,184 @@
+"""Many replicas, one cache (issue #20): two scheduler + worker pairs behind one tokenizer, real
+processes, public API only. Turns of a conversation and requests sharing a system prompt land on
+the replica that holds their prefix; salts never share pages; a killed replica fails its requests
+fast and the survivor serves; a restarted replica and a restarted router pick up where they were.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.common.etcd_proc import free_port
+from services.scheduler.cache_events import ROUTE_PAGE_TOKENS
+from services.supervisor import Stack, start_stack
+from strata.scheduler.v1 import scheduler_pb2 as spb
+from strata.scheduler.v1 import scheduler_pb2_grpc as sgrpc
+from strata.v1 import strata_pb2 as pb
+from strata.v1 import strata_pb2_grpc as pgrpc
+
+QUIET = {"say": lambda _: None}
+# No host tier: the tree is paged by the worker's page size and the routing keys by 16 tokens.
+NO_HOST = ("--host-cache-bytes", "0")
+
+
+def _gen(api: pgrpc.StrataStub, ids: list[int], n: int = 8, salt: str = "", timeout: float = 60) -> tuple[list[int], int]:
+    """Greedy ``n`` tokens after ``ids``: (answer, cached prompt tokens)."""
+    req = pb.GenerateRequest(
+        input_ids=pb.TokenIds(ids=ids), cache_salt=salt,
+        sampling=pb.SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True),
+    )  # fmt: skip
+    out = list(api.Generate(req, timeout=timeout))
+    return [t for r in out for t in r.token_ids], out[-1].usage.cached_tokens
+
+
+def _load(address: str) -> spb.Load:
+    with grpc.insecure_channel(address) as ch:
+        return sgrpc.SchedulerStub(ch).GetLoad(spb.GetLoadRequest(), timeout=5)
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 250) for _ in range(n)]
+
+
+def _settle() -> None:
+    time.sleep(0.3)  # the cache events of the last request reach the router (sent within ms)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = start_stack(tiny_qwen3, free_port(), tmp_path_factory.mktemp("replicas"), worker_args=NO_HOST,
+                    replicas=2, **QUIET)  # fmt: skip
+    yield s
+    s.stop()
+
+
+def test_conversations_and_a_shared_prompt_land_where_their_prefix_is(stack: Stack) -> None:
+    rng = random.Random(1)
+    with grpc.insecure_channel(stack.child("tokenizer").address) as ch:
+        api = pgrpc.StrataStub(ch)
+        before = {n: _load(stack.child(n).address).prompt_tokens for n in ("scheduler", "scheduler-1")}
+        # Six conversations of three turns: every later turn finds its whole history cached
+        # (what one replica alone would serve: the previous prompt and answer, but the last token).
+        for c in range(6):
+            prompt = _ids(rng, 120 + 10 * c)
+            for turn in range(3):
+                answer, cached = _gen(api, prompt)
+                if turn:
+                    assert cached == len(prompt) - len(new) - 1, (c, turn, cached, len(prompt))
+                _settle()
+                new = _ids(rng, 30)
+                prompt = prompt + answer + new
+        after = {n: _load(stack.child(n).address).prompt_tokens for n in ("scheduler", "scheduler-1")}
+        # Conversations with nothing cached anywhere are spread: both replicas served some.
+        assert all(after[n] > before[n] for n in after), (before, after)
+        # A shared system prompt: every request after the first reuses it where it is cached.
+        system = _ids(rng, 160)
+        _gen(api, system + _ids(rng, 20))
+        _settle()
+        for _ in range(5):
+            _, cached = _gen(api, system + _ids(rng, 20))
+            assert cached >= len(system) // ROUTE_PAGE_TOKENS * ROUTE_PAGE_TOKENS, cached
+            _settle()
+
+
+def test_salts_never_match_each_others_pages(stack: Stack) -> None:
+    rng = random.Random(2)
+    with grpc.insecure_channel(stack.child("tokenizer").address) as ch:
+        api = pgrpc.StrataStub(ch)
+        prompt = _ids(rng, 150)
+        _gen(api, prompt, salt="tenant-a")
+        _settle()
+        assert _gen(api, prompt, salt="tenant-b")[1] == 0
+        _settle()
+        assert _gen(api, prompt, salt="tenant-a")[1] == len(prompt) - 1
+
+
+def test_a_restarted_router_rebuilds_its_index_from_snapshots(stack: Stack) -> None:
+    rng = random.Random(3)
+    tokenizer = stack.child("tokenizer")
+    histories = []
+    with grpc.insecure_channel(tokenizer.address) as ch:
+        api = pgrpc.StrataStub(ch)
+        for _ in range(4):
+            prompt = _ids(rng, 140)
+            answer, _ = _gen(api, prompt)
+            histories.append(prompt + answer)
+    tokenizer.stop()
+    tokenizer.start({**os.environ, "PYTHONUNBUFFERED": "1"})
+    tokenizer.wait_ready(60)
+    time.sleep(0.5)  # the new router subscribes to both schedulers and receives their snapshots
+    with grpc.insecure_channel(tokenizer.address) as ch:
+        api = pgrpc.StrataStub(ch)
+        for h in histories:
+            assert _gen(api, h + _ids(rng, 20))[1] == len(h) - 1
+
+
+def test_a_killed_replica_fails_fast_and_a_restarted_one_rejoins(tiny_qwen3: Path, tmp_path: Path) -> None:
+    s = start_stack(tiny_qwen3, free_port(), tmp_path, worker_args=NO_HOST,
+                    scheduler_args=("--worker-wait-s", "2"), replicas=2, **QUIET)  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    rng = random.Random(4)
+    try:
+        with grpc.insecure_channel(s.child("tokenizer").address) as ch:
+            api = pgrpc.StrataStub(ch)
+
+            streamed = [0] * 6
+
+            def long(i: int) -> tuple[str, float, int]:
+                req = pb.GenerateRequest(
+                    input_ids=pb.TokenIds(ids=_ids(random.Random(i), 40)), stream=True,
+                    sampling=pb.SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True),
+                )
+                try:
+                    for r in api.Generate(req, timeout=120):
+                        streamed[i] += len(r.token_ids)
+                    return "ok", time.monotonic(), streamed[i]
+                except grpc.RpcError as e:
+                    return e.code().name, time.monotonic(), streamed[i]
+
+            with ThreadPoolExecutor(6) as pool:
+                futures = [pool.submit(long, i) for i in range(6)]
+                deadline = time.monotonic() + 60
+                # Every stream has answered (a request not yet answered would be retried elsewhere).
+                while min(streamed) == 0 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert min(streamed) > 0 and _load(s.child("scheduler-1").address).running > 0
+                killed_at = time.monotonic()
+                for name in ("scheduler-1", "worker-1"):
+                    proc = s.child(name).proc
+                    assert proc is not None
+                    proc.send_signal(signal.SIGKILL)
+                    proc.wait()
+                results = [f.result() for f in futures]
+            failed = [r for r in results if r[0] != "ok"]
+            # The replica's requests end UNAVAILABLE within a few seconds; the others complete.
+            assert failed and all(code == "UNAVAILABLE" for code, _, _ in failed), results
+            assert all(t - killed_at < 5.0 for _, t, _ in failed), [t - killed_at for _, t, _ in failed]
+            assert all(got == 400 for code, _, got in results if code == "ok"), results
+            # New requests go to the survivor, none fails (the dead one is set aside, then leaves etcd).
+            for _ in range(6):
+                assert len(_gen(api, _ids(rng, 50))[0]) == 8
+            # Restart the replica: its worker on a new port, its scheduler driving that worker.
+            w = s.child("worker-1")
+            w.start(env)
+            w.wait_ready(120)
+            sched = s.child("scheduler-1")
+            i = sched.argv.index("--worker")
+            sched.argv[i + 1] = w.address
+            sched.start(env)
+            sched.wait_ready(60)
+            time.sleep(1.0)  # it registers; the router subscribes to its (empty) cache
+            with ThreadPoolExecutor(4) as pool:
+                list(pool.map(lambda i: _gen(api, _ids(random.Random(100 + i), 60), n=16), range(8)))
+            assert _load(sched.address).prompt_tokens > 0  # it receives traffic again
+    finally:
+        s.stop()
