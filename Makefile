@@ -13,7 +13,7 @@ PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := strata/.generated
 PORT ?= 50051
 
-.PHONY: fuzz native bench-attention run test test-all soak bench bench-servers bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid soak-hicache lint protos install system-deps models clean
+.PHONY: fuzz native bench-attention run test test-all soak bench bench-servers bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas soak-hicache lint protos install system-deps models clean
 
 run: install models
 	$(BIN)/strata up --model $(TINY) --port $(PORT)
@@ -82,6 +82,10 @@ bench-attention: install
 
 bench-hicache-hybrid: install $(BENCH_NEXT)/config.json
 	$(BIN)/python -m services.bench.hicache --model $(BENCH_NEXT)
+
+# 4 replicas: kv vs round_robin vs least_load routing (and round_robin + shared L3) on multi-turn and shared-prefix traces, plus router cost (~15 min); writes docs/bench/replicas.json.
+bench-replicas: install $(BENCH_MODEL)/config.json
+	$(BIN)/python -m services.bench.replicas --model $(BENCH_MODEL) --run-dir .runs/bench-replicas
 
 lint: install
 	$(BIN)/ruff check services kernels tests

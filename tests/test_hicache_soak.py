@@ -18,11 +18,14 @@ from pathlib import Path
 import pytest
 
 from services.bench.hicache_soak import (
+    FULL_BARS_MIB,
+    HOUR_SLOPE_BARS,
     SCALED_BARS_MIB,
     MiB,
     Sample,
     SoakConfig,
     SoakReport,
+    Trend,
     growth,
     run_soak,
     table,
@@ -103,14 +106,31 @@ def test_growth_ignores_one_step_or_trim_but_not_a_steady_leak() -> None:
     for ys in (flat, trimmed, stepped):
         assert growth(ys) < SCALED_BARS_MIB["worker"]
     # A leak of 32 KiB per request (half a KV page) is 0.75 MiB per repetition: the thirds'
-    # medians are ~13 repetitions apart, ~10 MiB: the worker's bar; the Python services' bar
-    # (4 MiB) is reached at 13 KiB per request.
+    # medians are ~13 repetitions apart, ~10 MiB: over the worker's bar (6 MiB); the Python
+    # services' bar (4 MiB) is reached at 13 KiB per request.
     for per_request_kib, bar in ((32, SCALED_BARS_MIB["worker"]), (13, SCALED_BARS_MIB["kvstore"])):
         leak = [y + i * 24 * per_request_kib / 1024 for i, y in enumerate(flat)]
         assert growth(leak) >= bar, (per_request_kib, growth(leak))
     samples = [Sample(i, float(i), 24 * (i + 1), dict.fromkeys(SCALED_BARS_MIB, y), 0, 0, 0, 0)
                for i, y in enumerate(flat)]  # fmt: skip
     assert all(t.flat for t in trends(samples, 0, SCALED_BARS_MIB).values())
+
+
+def test_the_hour_bar_judges_the_last_half_slope() -> None:
+    """An hour of samples (one a minute): a process that grew during warm-up and then stays flat
+    passes the slope bars; one that keeps growing 25 MiB/hour in the last half fails the worker's
+    20 MiB/hour although its thirds' growth (~8 MiB) is under the growth bar."""
+    def run(late_mib_per_hour: float) -> dict[str, Trend]:
+        samples = []
+        for m in range(61):
+            y = 470.0 + min(m, 10) * 2.0 + (0.3 if m % 3 else 0.0) + max(m - 30, 0) * late_mib_per_hour / 60
+            samples.append(Sample(m, m * 60.0, 300 * (m + 1), dict.fromkeys(SCALED_BARS_MIB, y), 0, 0, 0, 0))
+        return trends(samples, 10, FULL_BARS_MIB, HOUR_SLOPE_BARS)
+
+    assert all(t.flat for t in run(0.0).values())
+    leaky = run(25.0)["worker"]
+    assert leaky.growth_mib < leaky.bar_mib and not leaky.flat, leaky
+    assert 20.0 < leaky.late_slope_mib_per_hour < 30.0, leaky
 
 
 @pytest.mark.slow

@@ -122,14 +122,29 @@ def test_a_restarted_router_rebuilds_its_index_from_snapshots(stack: Stack) -> N
             assert _gen(api, h + _ids(rng, 20))[1] == len(h) - 1
 
 
-def test_a_killed_replica_fails_fast_and_a_restarted_one_rejoins(tiny_qwen3: Path, tmp_path: Path) -> None:
-    s = start_stack(tiny_qwen3, free_port(), tmp_path, worker_args=NO_HOST,
-                    scheduler_args=("--worker-wait-s", "2"), replicas=2, **QUIET)  # fmt: skip
+def test_shared_l3_then_a_killed_replica_fails_fast_and_a_restarted_one_rejoins(
+    tiny_qwen3: Path, tmp_path: Path
+) -> None:
+    """Round-robin over two replicas that share one kvstore (L3 on): a prompt computed on one is
+    prefetched by the other. Then one replica is SIGKILLed under streaming load and restarted."""
+    l3 = ("--host-cache-bytes", "8MiB", "--host-page-tokens", "64", "--l3", "true")
+    s = start_stack(tiny_qwen3, free_port(), tmp_path, worker_args=l3, scheduler_args=("--worker-wait-s", "2"),
+                    tokenizer_args=("--router-policy", "round_robin"), replicas=2, **QUIET)  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     rng = random.Random(4)
     try:
         with grpc.insecure_channel(s.child("tokenizer").address) as ch:
             api = pgrpc.StrataStub(ch)
+            # Shared L3: the second run of the prompt goes to the other replica (round-robin), which
+            # has never seen it, and finds its pages in the kvstore.
+            prompt = _ids(rng, 300)
+            loads = [_load(s.child(n).address).prompt_tokens for n in ("scheduler", "scheduler-1")]
+            assert _gen(api, prompt)[1] == 0
+            time.sleep(1.5)  # the pages are backed up to the host pool and put to the kvstore
+            _, cached = _gen(api, prompt)
+            after = [_load(s.child(n).address).prompt_tokens for n in ("scheduler", "scheduler-1")]
+            assert [a > b for a, b in zip(after, loads, strict=True)] == [True, True], (loads, after)
+            assert cached == (len(prompt) - 1) // 64 * 64, cached  # every whole host page, from L3
 
             streamed = [0] * 6
 

@@ -64,20 +64,21 @@ POLL_S = 0.25
 # 2-core box (~2x the worst growth seen): a median of thirds rather than last minus first, so one
 # allocator step or trim at an end of the window does not decide the verdict.
 #
-# Scaled load (tests/test_hicache_soak.py, 512-token requests; 7 runs of 20-40 repetitions): the
-# Python services' growth stayed within ±1.8 MiB (kvstore: its 4 MiB of pages churn through pymalloc
-# and glibc arenas; scheduler +0.1..+0.2; tokenizer ±0.2); the worker's glibc heap moves in steps
-# (+4.2 MiB once after warm-up) and drops (up to -24 MiB when it trims): -4.5..+0.4 MiB.
-SCALED_BARS_MIB = {"kvstore": 4.0, "worker": 10.0, "scheduler": 4.0, "tokenizer": 4.0}
-# Full load (24 x 12 x 2,048 tokens; 5 runs of 13-34 repetitions, warm-up 4): the worker's RSS
-# after a repetition scatters over 65-93 MiB (1,024-token prefill chunks through glibc's thread
-# arenas) while it converges to a per-run plateau (555-730 MiB): growth +8.5..+32 MiB; kvstore
-# scatter ~16 MiB around its 64 MiB of pages, growth -0.6..+3.4; tokenizer a saw-tooth of ~9 MiB
-# (+0.6 MiB per repetition, then back down every ~16), growth -1.7..+3.2; scheduler +0.5..+0.9.
-# What they catch: the thirds' medians are ~11 repetitions (~3,200 requests, ~8,000 kvstore puts)
-# apart, so 64 MiB is 20 KiB per request (a third of a KV page), 10 MiB is 1.3 KiB per page put,
-# 4 MiB is 1.3 KiB per request; the L3 leak of issue #7 (~10 GB/hour) is ~100 KiB per request here.
-FULL_BARS_MIB = {"kvstore": 10.0, "worker": 64.0, "scheduler": 4.0, "tokenizer": 12.0}
+# Scaled load (tests/test_hicache_soak.py, 512-token requests): the Python services' growth stayed
+# within ±1.8 MiB (7 runs of 20-40 repetitions; kvstore: its 4 MiB of pages churn through pymalloc
+# and glibc arenas; scheduler +0.1..+0.2; tokenizer ±0.2). The worker moved in glibc heap steps
+# (+4.2 MiB, or -24 MiB when it trimmed) until issue #19 (one engine thread, 2 arenas, a periodic
+# trim: see services/worker/host_malloc.py); since, +0.16 and +0.34 MiB (dense, hybrid).
+SCALED_BARS_MIB = {"kvstore": 4.0, "worker": 6.0, "scheduler": 4.0, "tokenizer": 4.0}
+# Full load (24 x 12 x 2,048 tokens, warm-up 4): before issue #19 the worker's RSS after a
+# repetition scattered over 65-93 MiB and its growth was +8.5..+32 MiB (5 runs of 13-34
+# repetitions; +11.8 MiB in the 10-minute run of docs/benchmarks.md); with one engine thread and 2
+# arenas +5.2 MiB. kvstore scatter ~16 MiB around its 64 MiB of pages, growth -0.7..+6.2; tokenizer
+# -1.7..+3.2; scheduler +0.5..+1.2. What they catch: the thirds' medians are ~11 repetitions
+# (~3,200 requests, ~8,000 kvstore puts) apart, so 24 MiB is 7.7 KiB per request, 10 MiB is 1.3 KiB
+# per page put, 4 MiB is 1.3 KiB per request; the L3 leak of issue #7 (~10 GB/hour) is ~100 KiB
+# per request here.
+FULL_BARS_MIB = {"kvstore": 10.0, "worker": 24.0, "scheduler": 4.0, "tokenizer": 12.0}
 # Issue #19's bars on the slope over the last half of a run of --minutes (an hour): a flat
 # process, not only one whose thirds agree.
 HOUR_SLOPE_BARS = {"kvstore": 10.0, "worker": 20.0, "scheduler": 10.0, "tokenizer": 10.0}

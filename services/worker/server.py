@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,7 +20,7 @@ from services.common.step import LateMasks, StepRequest, StepResult
 from services.worker import memory_report
 from services.worker.config import WorkerConfig
 from services.worker.engine import Engine, EngineConfig
-from services.worker.host_malloc import cap_arenas
+from services.worker.host_malloc import Trimmer, cap_arenas
 from services.worker.l3_port import KVStorePort
 from strata.worker.v1 import worker_pb2 as wpb
 from strata.worker.v1 import worker_pb2_grpc as wgrpc
@@ -69,6 +69,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
         self.engine = engine
         self.metrics = metrics
         self.thread = thread or ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self.trimmer = Trimmer()
         self._busy = False
         self._tracer = telemetry.get_tracer("strata.worker")
 
@@ -119,12 +120,18 @@ class WorkerServicer(wgrpc.WorkerServicer):
                 except ValueError as e:
                     raise InvalidArgument(f"step {msg.step_id}: {e}") from e
                 self._trace_new_requests(step)
-                result = await loop.run_in_executor(self.thread, self.engine.step, step, wait_late_masks)
+                result = await loop.run_in_executor(self.thread, self._step, step, wait_late_masks)
                 if self.metrics is not None:
                     self.metrics.observe(step, result)
                 yield step_codec.result_to_pb(result)
         finally:
             self._busy = False
+
+    def _step(self, step: StepRequest, wait_late_masks: Callable[[], LateMasks]) -> StepResult:
+        """On the engine thread: the step, then the free heap back to the kernel when due."""
+        result = self.engine.step(step, wait_late_masks)
+        self.trimmer.maybe()
+        return result
 
     def _trace_new_requests(self, step: StepRequest) -> None:
         """One span per request on its first step, in the request's own trace."""
