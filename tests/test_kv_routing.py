@@ -178,8 +178,8 @@ def test_ties_are_spread_and_the_other_policies_ignore_the_cache() -> None:
     conv = list(range(512))
     index = _index_with({"a:1": keys(conv), "b:1": []})
     kv = Chooser(index, "kv")
-    fresh = list(range(5000, 5100))  # cached nowhere: a tie
-    assert {kv.choose(["a:1", "b:1"], fresh).address for _ in range(4)} == {"a:1", "b:1"}
+    fresh = [list(range(5000 + 100 * i, 5100 + 100 * i)) for i in range(4)]  # cached nowhere: ties
+    assert {kv.choose(["a:1", "b:1"], p).address for p in fresh} == {"a:1", "b:1"}
     rr = Chooser(index, "round_robin")
     assert [rr.choose(["a:1", "b:1"], conv).address for _ in range(4)] == ["a:1", "b:1", "a:1", "b:1"]
     least = Chooser(index, "least_load")
@@ -193,3 +193,20 @@ def test_overlap_never_claims_the_whole_prompt() -> None:
     conv = list(range(64))
     index = _index_with({"a:1": keys(conv)})
     assert index.overlaps(["a:1"], conv, "") == {"a:1": 63}
+
+
+def test_a_routed_prompt_is_expected_where_it_went_until_its_events_arrive() -> None:
+    """Requests sharing a prefix sent at once follow the first one (its pages are not reported yet:
+    the replica has not prefilled them), and the expectation ends after EXPECT_S."""
+    index = _index_with({"a:1": [], "b:1": [], "c:1": []})
+    kv = Chooser(index, "kv")
+    system = list(range(7000, 7000 + 512))
+    first = kv.choose(["a:1", "b:1", "c:1"], system + [1, 2, 3], now=100.0)
+    assert first.overlap_tokens == 0
+    for i in range(3):
+        c = kv.choose(["a:1", "b:1", "c:1"], system + [10 + i] * 5, now=100.5)
+        assert (c.address, c.overlap_tokens) == (first.address, 512)
+    later = kv.choose(["a:1", "b:1", "c:1"], system + [99], now=100.0 + kv_index.EXPECT_S + 1)
+    assert later.overlap_tokens == 0  # expired: nothing reported it since
+    rr = Chooser(_index_with({"a:1": [], "b:1": []}), "round_robin")
+    assert len({rr.choose(["a:1", "b:1"], system, now=1.0).address for _ in range(2)}) == 2

@@ -104,6 +104,7 @@ class SoakConfig:
     # a long run makes an hourly slope meaningful: a 4 MiB allocator step in a 30 s run is 480 MiB/h.
     slope_bars_mib_per_hour: dict[str, float] = field(default_factory=dict)
     minutes: float = 0.0  # > 0: repeat until this long has passed (repetitions is then ignored)
+    worker_threads: int = 0  # the worker's intra-op threads (0 = torch's default: one per core)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -402,6 +403,7 @@ def run_soak(model: Path, cfg: SoakConfig, run_dir: Path, say: Callable[[str], N
         "--host-cache-bytes", str(cfg.host_tokens * bpt),
         "--host-page-tokens", str(cfg.host_page_tokens),
         "--l3", "true",
+        *(("--threads", str(cfg.worker_threads)) if cfg.worker_threads else ()),
     )  # fmt: skip
     kvstore = ("--capacity-bytes", str(report.kv_capacity_bytes))
     stack = start_stack(model, free_port(), run_dir, worker_args=worker, kvstore_args=kvstore, say=lambda _: None)
@@ -472,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", type=Path, default=Path(".runs/hicache-soak"))
     p.add_argument("--out", type=Path, default=Path("docs/bench/hicache_soak.json"))
     for name in ("clients", "rounds", "request_tokens", "parallel", "repetitions", "warmup", "device_tokens",
-                 "host_tokens", "l3_tokens", "host_page_tokens", "seed"):  # fmt: skip
+                 "host_tokens", "l3_tokens", "host_page_tokens", "worker_threads", "seed"):  # fmt: skip
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     p.add_argument("--minutes", type=float, default=d.minutes,
                    help="repeat until this long has passed (judged on the last half's slope too)")

@@ -15,13 +15,21 @@ in tokens of prefill:
                                              router sent it since, whichever is larger)
             + load_weight × running(r)       requests decoding on r (each slows every step)
 
+A request the ``kv`` policy sends somewhere also marks its prompt's pages as *expected* there
+for ``EXPECT_S``: the pages reach the index only once that replica has prefilled them, and a
+second request with the same prefix routed in the meantime (a group sharing a system prompt, sent
+at once) should follow the first, where the scheduler will hold it until the prefix is cached,
+rather than compute it again elsewhere. An expectation ends when it expires (the real events
+have long arrived by then, or the request failed).
+
 Policies: ``kv`` (the cost above), ``least_load`` (the cost with no overlap term), ``round_robin``.
-Ties go round-robin, so equal replicas share the load. Pure: no I/O, no clock.
+Ties go round-robin, so equal replicas share the load. Pure: no I/O; the caller passes the clock.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -31,6 +39,7 @@ from services.common.page_hash import HashNamespace, extend_hashes
 Policy = Literal["kv", "round_robin", "least_load"]
 POLICIES: tuple[Policy, ...] = ("kv", "round_robin", "least_load")
 DEFAULT_LOAD_WEIGHT = 32.0  # prompt tokens one running request weighs as
+EXPECT_S = 30.0  # how long a routed prompt's pages count as held by its replica before its events
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +84,8 @@ class KvIndex:
         self.replicas: dict[str, Replica] = {}
         self._holders: dict[bytes, set[str]] = {}
         self._seeds: dict[tuple[Keying, str], bytes] = {}
+        self._expected: dict[bytes, set[str]] = {}  # pages routed to a replica, not yet reported
+        self._expiry: deque[tuple[float, str, list[bytes]]] = deque()
 
     # -- keeping it -------------------------------------------------------------------------------
     def replica(self, address: str) -> Replica:
@@ -141,6 +152,23 @@ class KvIndex:
         """``address``'s pages are no longer known (its stream broke): route to it by load only."""
         self._clear(self.replica(address))
 
+    def expect(self, address: str, keys: list[bytes], now: float, ttl_s: float = EXPECT_S) -> None:
+        """``address`` will hold ``keys`` once it has prefilled them: count them as held until
+        ``now + ttl_s``."""
+        for key in keys:
+            self._expected.setdefault(key, set()).add(address)
+        self._expiry.append((now + ttl_s, address, keys))
+
+    def expire(self, now: float) -> None:
+        while self._expiry and self._expiry[0][0] <= now:
+            _, address, keys = self._expiry.popleft()
+            for key in keys:
+                holders = self._expected.get(key)
+                if holders is not None:
+                    holders.discard(address)
+                    if not holders:
+                        del self._expected[key]
+
     def drop(self, address: str) -> None:
         """Forget a replica (it left discovery)."""
         r = self.replicas.pop(address, None)
@@ -174,7 +202,7 @@ class KvIndex:
             alive = set(group)
             matched = 0
             for key in self.keys(keying, tokens, salt):
-                holders = self._holders.get(key)
+                holders = self._holders.get(key, _NONE) | self._expected.get(key, _NONE)
                 if not holders:
                     break
                 still = alive & holders
@@ -190,6 +218,9 @@ class KvIndex:
         return {a: min(n, cap) for a, n in out.items()}
 
 
+_NONE: frozenset[str] = frozenset()
+
+
 class Chooser:
     """Applies a policy over the index; keeps the round-robin position for ties."""
 
@@ -201,9 +232,12 @@ class Chooser:
         self.load_weight = load_weight
         self._rr = itertools.count()
 
-    def choose(self, addresses: Sequence[str], tokens: Sequence[int], salt: str = "") -> Choice:
+    def choose(self, addresses: Sequence[str], tokens: Sequence[int], salt: str = "", now: float = 0.0) -> Choice:
+        """The replica for a prompt of ``tokens`` (``now``: the caller's monotonic clock, for the
+        expected pages of earlier choices)."""
         if not addresses:
             raise ValueError("no replica to choose from")
+        self.index.expire(now)
         turn = next(self._rr)
         if self.policy == "round_robin" or len(addresses) == 1:
             a = addresses[turn % len(addresses)]
@@ -216,6 +250,9 @@ class Chooser:
         best = min(costs.values())
         tied = [a for a in addresses if costs[a] == best]
         a = tied[turn % len(tied)]
+        keying = self.index.replicas[a].keying if a in self.index.replicas else None
+        if self.policy == "kv" and keying is not None:
+            self.index.expect(a, self.index.keys(keying, tokens, salt), now)
         return Choice(a, overlaps[a], best)
 
     def cost(self, address: str, prompt: int, overlap: int) -> float:

@@ -149,7 +149,7 @@ class Router:
             await asyncio.sleep(0.1)
         now = time.monotonic()
         fresh = [a for a in addresses if self._aside.get(a, 0.0) <= now] or addresses
-        choice = self.chooser.choose(fresh, tokens, salt)
+        choice = self.chooser.choose(fresh, tokens, salt, time.monotonic())
         r = self.index.replica(choice.address)
         uncached = len(tokens) - choice.overlap_tokens
         r.sent_tokens += uncached
