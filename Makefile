@@ -65,10 +65,15 @@ $(BENCH_NEXT)/config.json: | install
 bench-kvstore: install
 	$(BIN)/python -m services.bench.kvstore_bw
 
-# The hierarchical-cache soak at full size (24 clients x 12 rounds x 2,048-token requests, L3 on,
-# repeated; ~6 min): RSS of every service and the kvstore's bytes vs its cap; writes docs/bench/hicache_soak.json.
+# The hierarchical-cache soak at full size for an hour, dense and hybrid at once (24 clients x 12
+# rounds x 2,048-token requests, L3 on, one worker thread each): RSS of every service, the worker's
+# memory by owner, slopes over the last half; writes docs/bench/hicache_soak{,_hybrid}.{json,png}.
 soak-hicache: install models
-	$(BIN)/python -m services.bench.hicache_soak --model $(TINY) --out docs/bench/hicache_soak.json
+	$(BIN)/python -m services.bench.hicache_soak --model $(TINY) --minutes 60 --worker-threads 1 \
+	  --run-dir .runs/soak-dense --out docs/bench/hicache_soak.json --plot docs/bench/hicache_soak.png & \
+	$(BIN)/python -m services.bench.hicache_soak --model $(TINY_NEXT) --minutes 60 --worker-threads 1 \
+	  --run-dir .runs/soak-hybrid --out docs/bench/hicache_soak_hybrid.json --plot docs/bench/hicache_soak_hybrid.png; \
+	  s=$$?; wait $$!; d=$$?; exit $$((s | d))
 
 # TTFT of a long prompt recomputed vs from the device, the host pool and L3 (a kvstore process) at
 # 1k/2k/4k tokens (~1 min on 2 cores); writes docs/bench/hicache.json and prints the table of docs/benchmarks.md.
