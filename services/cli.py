@@ -84,7 +84,7 @@ def _up(args: argparse.Namespace) -> int:
         stack = supervisor.start_stack(
             model, args.port, run_dir, etcd=args.etcd, worker_args=a["worker"], scheduler_args=a["scheduler"],
             common_args=a["common"], tokenizer_args=a["tokenizer"], http_port=args.http_port,
-            replicas=args.replicas,
+            replicas=args.replicas, etcd_tls=args.tls_files,
         )
     except (supervisor.StartError, OSError) as e:
         print(f"strata up: {e}", file=sys.stderr)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.etcd_proc import EtcdProcess, die_with_parent, free_port
+from services.common.tls import TlsFiles
 
 
 class StartError(RuntimeError):
@@ -127,13 +128,16 @@ def start_stack(
     timeout_s: float = 120.0,
     say: Callable[[str], None] = print,
     replicas: int = 1,
+    etcd_tls: TlsFiles | None = None,
 ) -> Stack:
     """Start etcd (unless an endpoint is given) and kvstore, worker, scheduler, tokenizer, each
     waiting for the previous one to be ready. On any failure everything started is stopped.
 
     ``replicas`` > 1: that many worker + scheduler pairs (each scheduler drives its own worker;
     the first pair is named ``worker`` / ``scheduler``, the next ``worker-1`` / ``scheduler-1``,
-    ...), one kvstore and one tokenizer routing over all of them."""
+    ...), one kvstore and one tokenizer routing over all of them. ``etcd_tls``: the etcd started
+    here serves TLS and requires client certificates (the services then need ``--tls-*`` flags of
+    the same CA in ``common_args``)."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -147,7 +151,7 @@ def start_stack(
             # registrations (with dead addresses) until their leases expire.
             shutil.rmtree(run_dir / "etcd-data", ignore_errors=True)
             stack.etcd = EtcdProcess(
-                run_dir / "etcd-data", client_port=free_port(), peer_port=free_port(), tied=True
+                run_dir / "etcd-data", client_port=free_port(), peer_port=free_port(), tied=True, tls=etcd_tls
             )
             stack.etcd.start()
             stack.etcd_endpoint = stack.etcd.endpoint

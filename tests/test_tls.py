@@ -2,7 +2,8 @@
 
 Generation through TLS equals transformers; a client without the key gets UNAUTHENTICATED; a
 client (or service) whose certificate another CA signed, or that brings none, cannot reach an
-internal service; HTTPS serves the OpenAI API with the same certificates.
+internal service; HTTPS serves the OpenAI API with the same certificates; etcd itself serves TLS
+and requires a client certificate of the CA (the stack registers and discovers through it).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def stack(tiny_qwen3: Path, certs: TlsFiles, tmp_path_factory: pytest.TempPathFa
     common = ("--tls-cert", certs.cert, "--tls-key", certs.key, "--tls-ca", certs.ca)
     s = start_stack(
         tiny_qwen3, free_port(), tmp_path_factory.mktemp("tls-stack"), common_args=common, http_port=free_port(),
-        tokenizer_args=("--api-key", KEY), say=lambda _: None,
+        tokenizer_args=("--api-key", KEY), say=lambda _: None, etcd_tls=certs,
     )  # fmt: skip
     yield s
     s.stop()
@@ -111,3 +112,37 @@ def test_https_serves_the_openai_api(stack: Stack, certs: TlsFiles) -> None:
     )  # fmt: skip
     with urllib.request.urlopen(req, context=ctx, timeout=60) as r:
         assert json.loads(r.read())["usage"]["completion_tokens"] == 3
+
+
+def test_etcd_over_tls_requires_a_certificate_of_the_ca(stack: Stack, certs: TlsFiles, tmp_path: Path) -> None:
+    """The stack above registered every service through an https:// etcd; a client without a
+    certificate (or plaintext) cannot read it, one with the CA's certificate can."""
+    import asyncio
+
+    from services.common import tls
+    from services.common.discovery import Discovery
+
+    assert stack.etcd is not None and stack.etcd_endpoint.startswith("https://")
+
+    async def members(endpoint: str) -> set[str]:
+        d = Discovery(endpoint, "scheduler")
+        await asyncio.wait_for(d.start(timeout=3.0), 5.0)
+        try:
+            return {r.address for r in d.members().values()}
+        finally:
+            await d.stop()
+
+    before = tls.files()
+    try:
+        tls.configure(certs)
+        assert asyncio.run(members(stack.etcd_endpoint)) == {stack.child("scheduler").address}
+        other = make_dev_certs(tmp_path / "other")  # a certificate another CA signed
+        tls.configure(TlsFiles(other.cert, other.key, certs.ca))
+        with pytest.raises(Exception):  # noqa: B017 - refused during the TLS handshake, whatever aetcd raises
+            asyncio.run(members(stack.etcd_endpoint))
+        tls.configure(certs)
+        plain = stack.etcd_endpoint.removeprefix("https://")
+        with pytest.raises(Exception):  # noqa: B017 - a plaintext client gets no answer
+            asyncio.run(members(plain))
+    finally:
+        tls.configure(before)

@@ -28,6 +28,7 @@ from typing import Any
 
 import aetcd
 
+from services.common import tls
 from services.common.errors import FailedPrecondition
 
 log = logging.getLogger(__name__)
@@ -149,13 +150,36 @@ def advertised_address(host: str, port: int, advertise_host: str = "") -> str:
 
 
 def connect(endpoint: str) -> aetcd.Client:
-    """An aetcd client for ``host:port`` (an ``http://`` prefix is accepted). Connects lazily."""
-    hostport = endpoint.removeprefix("http://")
+    """An aetcd client for ``host:port`` (``http://`` accepted); ``https://host:port`` connects over
+    TLS with this process's certificates (``tls.etcd_credentials``). Connects lazily."""
+    secure = endpoint.startswith("https://")
+    hostport = endpoint.removeprefix("https://").removeprefix("http://")
     host, sep, port = hostport.rpartition(":")
     if not sep or not host or not port.isdigit():
-        raise ValueError(f"etcd endpoint must be host:port, got {endpoint!r}")
+        raise ValueError(f"etcd endpoint must be host:port or http(s)://host:port, got {endpoint!r}")
+    cls = _TlsClient if secure else aetcd.Client
     # aetcd annotates timeout as int; gRPC takes any float.
-    return aetcd.Client(host, int(port), timeout=_RPC_TIMEOUT_S, options=_CHANNEL_OPTIONS)  # type: ignore[arg-type]
+    return cls(host, int(port), timeout=_RPC_TIMEOUT_S, options=_CHANNEL_OPTIONS)  # type: ignore[arg-type]
+
+
+class _TlsClient(aetcd.Client):
+    """aetcd 1.0 always opens its channel with ``aetcd.rpc.insecure_channel``; while this client
+    connects, that name makes a TLS channel instead. The replacement is process-wide for the
+    moment of the call, which is sound because a process has one etcd endpoint (its ``--etcd``):
+    every etcd client of a process with an ``https://`` endpoint is one of these."""
+
+    async def connect(self) -> None:
+        plain = aetcd.rpc.insecure_channel
+        creds = tls.etcd_credentials()
+
+        def secure(target: str, options: Any = None, **kw: Any) -> Any:
+            return aetcd.rpc.secure_channel(target, creds, options=options, **kw)
+
+        aetcd.rpc.insecure_channel = secure
+        try:
+            await super().connect()
+        finally:
+            aetcd.rpc.insecure_channel = plain
 
 
 class _Backoff:

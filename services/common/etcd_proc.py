@@ -14,12 +14,16 @@ import logging
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.common.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +82,13 @@ class EtcdProcess:
         peer_port: int,
         log_path: Path | str | None = None,
         tied: bool = False,
+        tls: TlsFiles | None = None,
     ) -> None:
         """``tied``: etcd gets SIGTERM when the thread that starts it exits (``die_with_parent``);
-        for ``strata up``, whose main thread lives as long as the stack."""
+        for ``strata up``, whose main thread lives as long as the stack. ``tls``: serve clients
+        over TLS with this certificate, requiring client certificates signed by its CA (the
+        endpoint is then ``https://``)."""
+        self.tls = tls if tls is not None and tls.on else None
         self.data_dir = Path(data_dir)
         self.tied = tied
         self.client_port = client_port
@@ -91,16 +99,22 @@ class EtcdProcess:
 
     @property
     def endpoint(self) -> str:
-        """The client endpoint as ``127.0.0.1:PORT`` (what ``Registration``/``Discovery`` take)."""
-        return f"127.0.0.1:{self.client_port}"
+        """The client endpoint as ``127.0.0.1:PORT``, or ``https://127.0.0.1:PORT`` with TLS (what
+        ``Registration``/``Discovery`` take)."""
+        return f"https://127.0.0.1:{self.client_port}" if self.tls else f"127.0.0.1:{self.client_port}"
 
     @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
     def _command(self, binary: Path) -> list[str]:
-        client_url = f"http://127.0.0.1:{self.client_port}"
+        client_url = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
         peer_url = f"http://127.0.0.1:{self.peer_port}"
+        tls = self.tls
+        secure = (
+            ["--cert-file", tls.cert, "--key-file", tls.key, "--trusted-ca-file", tls.ca, "--client-cert-auth"]
+            if tls else []
+        )  # fmt: skip
         return [
             str(binary),
             "--name", "strata",
@@ -113,6 +127,7 @@ class EtcdProcess:
             "--initial-cluster-state", "new",
             # The metrics listener is unused; logging to stderr keeps the log file the one place to look.
             "--logger", "zap", "--log-outputs", "stderr",
+            *secure,
         ]  # fmt: skip
 
     def start(self, timeout: float = 20.0) -> None:
@@ -149,9 +164,13 @@ class EtcdProcess:
         )
 
     def _healthy(self) -> bool:
-        url = f"http://127.0.0.1:{self.client_port}/health"
+        url = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}/health"
+        context = None
+        if self.tls:
+            context = ssl.create_default_context(cafile=self.tls.ca)
+            context.load_cert_chain(self.tls.cert, self.tls.key)
         try:
-            with urllib.request.urlopen(url, timeout=1.0) as resp:
+            with urllib.request.urlopen(url, timeout=1.0, context=context) as resp:
                 body = json.loads(resp.read())
         except (urllib.error.URLError, OSError, ValueError):
             return False

@@ -55,6 +55,11 @@ def configure(files: TlsFiles) -> None:
     _files = files
 
 
+def files() -> TlsFiles:
+    """This process's configuration (empty: plaintext)."""
+    return _files
+
+
 def _read(path: str) -> bytes | None:
     return Path(path).read_bytes() if path else None
 
@@ -68,6 +73,14 @@ def server_credentials(client_auth: bool = True) -> grpc.ServerCredentials | Non
     key, cert = _read(f.key), _read(f.cert)
     assert key is not None and cert is not None
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=_read(f.ca), require_client_auth=client_auth)
+
+
+def etcd_credentials() -> grpc.ChannelCredentials:
+    """For an ``https://`` etcd endpoint: verify etcd with this process's CA (or the system's when
+    none is configured) and present this process's certificate when it has one (etcd run with
+    ``--client-cert-auth`` requires it)."""
+    f = _files
+    return grpc.ssl_channel_credentials(_read(f.ca), _read(f.key), _read(f.cert))
 
 
 def channel(
