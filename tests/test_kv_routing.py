@@ -167,9 +167,9 @@ def test_kv_policy_prefers_the_cache_until_the_load_outweighs_it() -> None:
     c = chooser.choose(["a:1", "b:1", "c:1"], prompt)
     assert (c.address, c.overlap_tokens) == ("a:1", 512)
     # Queued prefill on a outweighs what its cache saves: go elsewhere.
-    index.replicas["a:1"].waiting_tokens = 600
+    index.replicas["a:1"].sent_tokens = 600  # prefill this router sent a and is not started
     assert chooser.choose(["a:1", "b:1", "c:1"], prompt).address in ("b:1", "c:1")
-    index.replicas["a:1"].waiting_tokens = 0
+    index.replicas["a:1"].sent_tokens = 0
     index.replicas["a:1"].running = 20  # 640 tokens' worth of decoding
     assert chooser.choose(["a:1", "b:1", "c:1"], prompt).address != "a:1"
 
@@ -203,9 +203,15 @@ def test_a_routed_prompt_is_expected_where_it_went_until_its_events_arrive() -> 
     system = list(range(7000, 7000 + 512))
     first = kv.choose(["a:1", "b:1", "c:1"], system + [1, 2, 3], now=100.0)
     assert first.overlap_tokens == 0
+    # What the router does: the first is queued there (515 uncached tokens, not started); that
+    # queued work computes the prefix the others need, so it does not push them elsewhere.
+    index.replicas[first.address].sent_tokens += 515
+    index.replicas[first.address].sent_running += 1
     for i in range(3):
         c = kv.choose(["a:1", "b:1", "c:1"], system + [10 + i] * 5, now=100.5)
         assert (c.address, c.overlap_tokens) == (first.address, 512)
+        index.replicas[first.address].sent_tokens += 5
+        index.replicas[first.address].sent_running += 1
     later = kv.choose(["a:1", "b:1", "c:1"], system + [99], now=100.0 + kv_index.EXPECT_S + 1)
     assert later.overlap_tokens == 0  # expired: nothing reported it since
     rr = Chooser(_index_with({"a:1": [], "b:1": []}), "round_robin")

@@ -10,17 +10,23 @@ other's pages.
 The choice (``choose``) minimises, over the replicas, an estimate of the work a request waits for,
 in tokens of prefill:
 
-    cost(r) = (prompt − overlap(r))          the prompt tokens r would compute
-            + queued(r)                      prompt tokens waiting on r (its report, or what this
-                                             router sent it since, whichever is larger)
-            + load_weight × running(r)       requests decoding on r (each slows every step)
+    cost(r) = (prompt − overlap(r))                      the prompt tokens r would compute
+            + max(0, queued(r) − expected(r))            the prefill queued on r that is not for
+                                                         this request's own prefix
+            + load_weight × running(r)                   requests in flight on r (each slows
+                                                         every step)
+
+``queued(r)``: the uncached prompt tokens this router sent r that have not started (no first token
+yet); ``running(r)``: the larger of r's last report and what this router has in flight there.
 
 A request the ``kv`` policy sends somewhere also marks its prompt's pages as *expected* there
 for ``EXPECT_S``: the pages reach the index only once that replica has prefilled them, and a
 second request with the same prefix routed in the meantime (a group sharing a system prompt, sent
-at once) should follow the first, where the scheduler will hold it until the prefix is cached,
-rather than compute it again elsewhere. An expectation ends when it expires (the real events
-have long arrived by then, or the request failed).
+at once) should follow the first, where the scheduler holds it until the prefix is cached, rather
+than compute it again elsewhere. ``expected(r)`` is the part of the overlap that is only expected:
+the queued work that computes it is work this request would otherwise do itself, so it does not
+count against r. An expectation ends when it expires (the real events have long arrived by then,
+or the request failed).
 
 Policies: ``kv`` (the cost above), ``least_load`` (the cost with no overlap term), ``round_robin``.
 Ties go round-robin, so equal replicas share the load. Pure: no I/O; the caller passes the clock.
@@ -65,7 +71,9 @@ class Replica:
 
     @property
     def queued(self) -> int:
-        return max(self.waiting_tokens, self.sent_tokens)
+        # Not the reported waiting_tokens: they count whole prompts, cached parts included, so a
+        # group held back behind its shared prefix would look like a queue of prefill work.
+        return self.sent_tokens
 
     @property
     def busy(self) -> int:
@@ -189,9 +197,12 @@ class KvIndex:
                 self._seeds.clear()
         return extend_hashes(seed, tokens, keying.page_tokens)
 
-    def overlaps(self, addresses: Sequence[str], tokens: Sequence[int], salt: str) -> dict[str, int]:
-        """Predicted cached prompt tokens on each replica: its leading pages in the index (never
-        the whole prompt: the last token is always computed)."""
+    def overlaps(
+        self, addresses: Sequence[str], tokens: Sequence[int], salt: str, expected: bool = True
+    ) -> dict[str, int]:
+        """Predicted cached prompt tokens on each replica: its leading pages in the index, with
+        the pages expected there unless ``expected`` is False (never the whole prompt: the last
+        token is always computed)."""
         out = dict.fromkeys(addresses, 0)
         by_keying: dict[Keying, list[str]] = {}
         for a in addresses:
@@ -202,7 +213,9 @@ class KvIndex:
             alive = set(group)
             matched = 0
             for key in self.keys(keying, tokens, salt):
-                holders = self._holders.get(key, _NONE) | self._expected.get(key, _NONE)
+                holders = self._holders.get(key, _NONE)
+                if expected:
+                    holders = holders | self._expected.get(key, _NONE)
                 if not holders:
                     break
                 still = alive & holders
@@ -243,10 +256,10 @@ class Chooser:
             a = addresses[turn % len(addresses)]
             overlap = self.index.overlaps([a], tokens, salt)[a] if self.policy != "round_robin" else 0
             return Choice(a, overlap, 0.0)
-        overlaps = (
-            self.index.overlaps(addresses, tokens, salt) if self.policy == "kv" else dict.fromkeys(addresses, 0)
-        )
-        costs = {a: self.cost(a, len(tokens), overlaps[a]) for a in addresses}
+        zero = dict.fromkeys(addresses, 0)
+        overlaps = self.index.overlaps(addresses, tokens, salt) if self.policy == "kv" else zero
+        reported = self.index.overlaps(addresses, tokens, salt, expected=False) if self.policy == "kv" else zero
+        costs = {a: self.cost(a, len(tokens), overlaps[a], overlaps[a] - reported[a]) for a in addresses}
         best = min(costs.values())
         tied = [a for a in addresses if costs[a] == best]
         a = tied[turn % len(tied)]
@@ -255,6 +268,6 @@ class Chooser:
             self.index.expect(a, self.index.keys(keying, tokens, salt), now)
         return Choice(a, overlaps[a], best)
 
-    def cost(self, address: str, prompt: int, overlap: int) -> float:
+    def cost(self, address: str, prompt: int, overlap: int, expected: int = 0) -> float:
         r = self.index.replicas.get(address) or Replica(address)
-        return (prompt - overlap) + r.queued + self.load_weight * r.busy
+        return (prompt - overlap) + max(r.queued - expected, 0) + self.load_weight * r.busy
