@@ -167,10 +167,13 @@ def test_kv_policy_prefers_the_cache_until_the_load_outweighs_it() -> None:
     c = chooser.choose(["a:1", "b:1", "c:1"], prompt)
     assert (c.address, c.overlap_tokens) == ("a:1", 512)
     # Queued prefill on a outweighs what its cache saves: go elsewhere.
-    index.replicas["a:1"].sent_tokens = 600  # prefill this router sent a and is not started
+    # Recomputing the 552 tokens elsewhere weighs 2 x 552; staying weighs 2 x 40 + a's load.
+    index.replicas["a:1"].sent_tokens = 900  # prefill this router sent a and is not started
+    assert chooser.choose(["a:1", "b:1", "c:1"], prompt).address == "a:1"
+    index.replicas["a:1"].sent_tokens = 1200
     assert chooser.choose(["a:1", "b:1", "c:1"], prompt).address in ("b:1", "c:1")
     index.replicas["a:1"].sent_tokens = 0
-    index.replicas["a:1"].running = 20  # 640 tokens' worth of decoding
+    index.replicas["a:1"].running = 40  # 1,280 tokens' worth of requests in flight
     assert chooser.choose(["a:1", "b:1", "c:1"], prompt).address != "a:1"
 
 

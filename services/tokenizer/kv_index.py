@@ -10,7 +10,7 @@ other's pages.
 The choice (``choose``) minimises, over the replicas, an estimate of the work a request waits for,
 in tokens of prefill:
 
-    cost(r) = (prompt − overlap(r))                      the prompt tokens r would compute
+    cost(r) = 2 × (prompt − overlap(r))                  the prompt tokens r would compute
             + max(0, queued(r) − expected(r))            the prefill queued on r that is not for
                                                          this request's own prefix
             + load_weight × running(r)                   requests in flight on r (each slows
@@ -18,6 +18,11 @@ in tokens of prefill:
 
 ``queued(r)``: the uncached prompt tokens this router sent r that have not started (no first token
 yet); ``running(r)``: the larger of r's last report and what this router has in flight there.
+Computing counts twice (``RECOMPUTE_WEIGHT``): the request waits for it, and so does every other
+request on that replica, while waiting behind work already queued adds nothing to the cluster's
+load. With weight 1, a group whose replica is busy with another group's prefill would recompute
+its shared prefix on an idle replica (measured: 93 % of a single replica's hit rate on the shared
+prefix bench instead of 95 %+).
 
 A request the ``kv`` policy sends somewhere also marks its prompt's pages as *expected* there
 for ``EXPECT_S``: the pages reach the index only once that replica has prefilled them, and a
@@ -45,6 +50,7 @@ from services.common.page_hash import HashNamespace, extend_hashes
 Policy = Literal["kv", "round_robin", "least_load"]
 POLICIES: tuple[Policy, ...] = ("kv", "round_robin", "least_load")
 DEFAULT_LOAD_WEIGHT = 32.0  # prompt tokens one running request weighs as
+RECOMPUTE_WEIGHT = 2.0  # see the module docstring
 EXPECT_S = 30.0  # how long a routed prompt's pages count as held by its replica before its events
 
 
@@ -270,4 +276,4 @@ class Chooser:
 
     def cost(self, address: str, prompt: int, overlap: int, expected: int = 0) -> float:
         r = self.index.replicas.get(address) or Replica(address)
-        return (prompt - overlap) + max(r.queued - expected, 0) + self.load_weight * r.busy
+        return RECOMPUTE_WEIGHT * (prompt - overlap) + max(r.queued - expected, 0) + self.load_weight * r.busy
