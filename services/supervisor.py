@@ -155,7 +155,8 @@ def start_stack(
             )
             stack.etcd.start()
             stack.etcd_endpoint = stack.etcd.endpoint
-        say(f"etcd       {stack.etcd_endpoint}")
+        width = 10 if replicas == 1 else 12  # "scheduler-1" is longer than the one-replica names
+        say(f"{'etcd':<{width}} {stack.etcd_endpoint}")
         e = ("--etcd", stack.etcd_endpoint)
         specs: list[tuple[str, list[str] | Callable[[], list[str]]]] = [
             ("kvstore", [*_module("kvstore"), *e, *common_args, *kvstore_args]),
@@ -182,10 +183,10 @@ def start_stack(
             child.start(env)
             address = child.wait_ready(timeout_s)
             metrics = f"   metrics http://{child.extra['metrics']}/metrics" if "metrics" in child.extra else ""
-            say(f"{name:<10} {address}{metrics}   (log: {child.log_path})")
+            say(f"{name:<{width}} {address}{metrics}   (log: {child.log_path})")
             for scheme in ("http", "https"):
                 if scheme in child.extra:
-                    say(f"{scheme:<10} {scheme}://{child.extra[scheme]}/v1   (OpenAI-compatible)")
+                    say(f"{scheme:<{width}} {scheme}://{child.extra[scheme]}/v1   (OpenAI-compatible)")
     except BaseException:
         stack.stop()
         raise
