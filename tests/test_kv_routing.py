@@ -7,16 +7,15 @@ import asyncio
 
 import pytest
 
-from services.common.page_hash import HashNamespace, page_hashes
-from services.scheduler.cache_events import Batch, CacheEventLog, Keying
+from services.common.page_hash import HashNamespace, PageKeying, page_hashes
+from services.scheduler.cache_events import Batch, CacheEventLog
 from services.scheduler.memory.allocator import SlotAllocator
 from services.scheduler.memory.base import CacheKey
 from services.scheduler.memory.tree import PrefixTree
 from services.tokenizer import kv_index
 from services.tokenizer.kv_index import Chooser, KvIndex
 
-KEYING = Keying(16, "fp-test", "device")
-RKEYING = kv_index.Keying(16, "fp-test", "device")
+KEYING = RKEYING = PageKeying(16, "fp-test", "device")
 
 
 class Replica:
@@ -82,14 +81,14 @@ def test_the_router_index_follows_the_stream_and_predicts_the_overlap() -> None:
         index = KvIndex()
         sub = r.log.subscribe()
         system = list(range(1000, 1064))  # a 64-token system prompt: 4 pages
-        r.put(system + [5, 6, 7])
+        r.put([*system, 5, 6, 7])
         await asyncio.sleep(0)
         assert feed(index, "a:1", r.log, r.log.take(sub))
         prompt = system + list(range(7000, 7100))
         assert index.overlaps(["a:1", "b:1"], prompt, "") == {"a:1": 64, "b:1": 0}
         # Salts never match each other's pages.
         assert index.overlaps(["a:1"], prompt, "tenant-2") == {"a:1": 0}
-        r.put(system + [5, 6, 7], salt="tenant-2")
+        r.put([*system, 5, 6, 7], salt="tenant-2")
         await asyncio.sleep(0)
         assert feed(index, "a:1", r.log, r.log.take(sub))
         assert index.overlaps(["a:1"], prompt, "tenant-2") == {"a:1": 64}
@@ -204,7 +203,7 @@ def test_a_routed_prompt_is_expected_where_it_went_until_its_events_arrive() -> 
     index = _index_with({"a:1": [], "b:1": [], "c:1": []})
     kv = Chooser(index, "kv")
     system = list(range(7000, 7000 + 512))
-    first = kv.choose(["a:1", "b:1", "c:1"], system + [1, 2, 3], now=100.0)
+    first = kv.choose(["a:1", "b:1", "c:1"], [*system, 1, 2, 3], now=100.0)
     assert first.overlap_tokens == 0
     # What the router does: the first is queued there (515 uncached tokens, not started); that
     # queued work computes the prefix the others need, so it does not push them elsewhere.
@@ -215,7 +214,7 @@ def test_a_routed_prompt_is_expected_where_it_went_until_its_events_arrive() -> 
         assert (c.address, c.overlap_tokens) == (first.address, 512)
         index.replicas[first.address].sent_tokens += 5
         index.replicas[first.address].sent_running += 1
-    later = kv.choose(["a:1", "b:1", "c:1"], system + [99], now=100.0 + kv_index.EXPECT_S + 1)
+    later = kv.choose(["a:1", "b:1", "c:1"], [*system, 99], now=100.0 + kv_index.EXPECT_S + 1)
     assert later.overlap_tokens == 0  # expired: nothing reported it since
     rr = Chooser(_index_with({"a:1": [], "b:1": []}), "round_robin")
     assert len({rr.choose(["a:1", "b:1"], system, now=1.0).address for _ in range(2)}) == 2

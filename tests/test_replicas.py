@@ -30,7 +30,9 @@ QUIET = {"say": lambda _: None}
 NO_HOST = ("--host-cache-bytes", "0")
 
 
-def _gen(api: pgrpc.StrataStub, ids: list[int], n: int = 8, salt: str = "", timeout: float = 60) -> tuple[list[int], int]:
+def _gen(
+    api: pgrpc.StrataStub, ids: list[int], n: int = 8, salt: str = "", timeout: float = 60
+) -> tuple[list[int], int]:
     """Greedy ``n`` tokens after ``ids``: (answer, cached prompt tokens)."""
     req = pb.GenerateRequest(
         input_ids=pb.TokenIds(ids=ids), cache_salt=salt,
@@ -70,6 +72,7 @@ def test_conversations_and_a_shared_prompt_land_where_their_prefix_is(stack: Sta
         # (what one replica alone would serve: the previous prompt and answer, but the last token).
         for c in range(6):
             prompt = _ids(rng, 120 + 10 * c)
+            new: list[int] = []  # the user tokens this turn added
             for turn in range(3):
                 answer, cached = _gen(api, prompt)
                 if turn:

@@ -89,9 +89,10 @@ from services.bench.workloads import (
     shared_prefix_workload,
 )
 from services.common.etcd_proc import free_port
+from services.common.page_hash import PageKeying
 from services.scheduler.cache_events import ROUTE_PAGE_TOKENS
 from services.supervisor import Child, Stack, start_stack
-from services.tokenizer.kv_index import POLICIES, Chooser, Keying, KvIndex, Policy
+from services.tokenizer.kv_index import POLICIES, Chooser, KvIndex, Policy
 from strata.v1 import strata_pb2 as pb
 from strata.v1 import strata_pb2_grpc as pgrpc
 
@@ -491,12 +492,12 @@ def router_cost(
     ``prompt_tokens``, prompt j held by replica j % replicas (half of each replica's prompts come in
     its snapshot, the rest one stored batch per prompt); time ``choose`` at that size; then remove
     one batch per prompt. Snapshots are timed on ``SNAPSHOT_REPEATS`` fresh indexes (median)."""
-    keying = Keying(ROUTE_PAGE_TOKENS, "router-cost", "bench")
+    keying = PageKeying(ROUTE_PAGE_TOKENS, "router-cost", "bench")
     rng = random.Random(f"router-cost/{seed}")
     per_prompt = max(prompt_tokens // keying.page_tokens, 1)
     ids = range(FIRST_ID, ROUTER_VOCAB)
     prompts = [rng.choices(ids, k=per_prompt * keying.page_tokens) for _ in range(math.ceil(pages / per_prompt))]
-    keys = [KvIndex().keys(keying, p, "") for p in prompts]
+    keys = [keying.keys(p) for p in prompts]
     keys[-1] = keys[-1][: pages - per_prompt * (len(prompts) - 1)]  # exactly `pages` keys
     addresses = [f"replica-{i}" for i in range(replicas)]
     mine = [list(range(i, len(prompts), replicas)) for i in range(replicas)]
@@ -542,7 +543,7 @@ def router_cost(
         chooser.choose(addresses, miss)
         miss_us.append((time.perf_counter_ns() - t) / 1e3)
         t = time.perf_counter_ns()
-        index.keys(keying, miss, "")
+        keying.keys(miss)
         keys_us.append((time.perf_counter_ns() - t) / 1e3)
 
     removed_us = [timed(index, a, next_id(a), [], keys[j]) for a, js in zip(addresses, mine, strict=True) for j in js]

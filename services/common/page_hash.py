@@ -19,6 +19,7 @@ the wire format of L3 keys: changing it (or ``_VERSION``) orphans everything alr
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 import sys
@@ -120,6 +121,29 @@ def state_key(page_hash: bytes, state_layout: str) -> bytes:
     if not state_layout:
         raise ValueError("state_layout must be non-empty")
     return hashlib.sha256(_field(_STATE) + _field(state_layout.encode()) + page_hash).digest()
+
+
+@functools.lru_cache(maxsize=4096)  # per-user salts come and go: bounded
+def namespace_seed(
+    model_fingerprint: str, layout: str, cache_salt: str = "", tp_rank: int = 0, tp_size: int = 1
+) -> bytes:
+    """``HashNamespace(...).seed``, computed once per namespace."""
+    return HashNamespace(model_fingerprint, layout, tp_rank, tp_size, cache_salt).seed
+
+
+@dataclass(frozen=True, slots=True)
+class PageKeying:
+    """How a cache's page keys are made, salt aside: what a KV-aware router needs to compute
+    keys that match a scheduler's (``Scheduler/WatchCache`` sends it)."""
+
+    page_tokens: int
+    model_fingerprint: str
+    layout: str
+
+    def keys(self, tokens: Sequence[int], cache_salt: str = "") -> list[bytes]:
+        """Keys of the whole pages of ``tokens`` under ``cache_salt``."""
+        seed = namespace_seed(self.model_fingerprint, self.layout, cache_salt)
+        return extend_hashes(seed, tokens, self.page_tokens)
 
 
 def page_hashes(tokens: Sequence[int], page_size: int, namespace: HashNamespace) -> list[bytes]:

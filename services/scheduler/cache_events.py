@@ -23,23 +23,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.common.page_hash import HashNamespace, extend_hashes
+from services.common.page_hash import PageKeying
 from services.scheduler.memory.base import CacheEvent
 
 QUEUE_BATCHES = 256  # batches a subscriber may fall behind before it is sent a snapshot instead
 ROUTE_PAGE_TOKENS = 16  # page size of the keys when the worker has no host tier (no L3 keys to share)
-
-
-@dataclass(frozen=True, slots=True)
-class Keying:
-    """How keys are computed; a router needs it to compute matching ones."""
-
-    page_tokens: int
-    model_fingerprint: str
-    layout: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,9 +53,8 @@ class CacheEventLog:
     def __init__(self, queue_batches: int = QUEUE_BATCHES) -> None:
         self.epoch = time.time_ns()
         self.event_id = 0
-        self.keying: Keying | None = None
+        self.keying: PageKeying | None = None
         self._queue_batches = queue_batches
-        self._seeds: dict[str, bytes] = {}
         self._device: set[bytes] = set()  # whole pages in the device tree
         self._host: set[bytes] = set()  # pages in the host pool
         self._stored: list[bytes] = []
@@ -74,11 +63,10 @@ class CacheEventLog:
         self._flush_scheduled = False
 
     # -- the producing side -----------------------------------------------------------------------
-    def attach(self, keying: Keying | None) -> None:
+    def attach(self, keying: PageKeying | None) -> None:
         """A new worker's (empty) cache, keyed by ``keying`` (None: no worker or no cache). Every
         subscriber gets a snapshot."""
         self.keying = keying
-        self._seeds.clear()
         self._device.clear()
         self._host.clear()
         self._stored.clear()
@@ -88,25 +76,12 @@ class CacheEventLog:
             sub.needs_snapshot = True
             sub.wake.set()
 
-    def _seed(self, extra: str) -> bytes:
-        seed = self._seeds.get(extra)
-        if seed is None:
-            assert self.keying is not None
-            k = self.keying
-            seed = self._seeds[extra] = HashNamespace(k.model_fingerprint, k.layout, cache_salt=extra).seed
-        return seed
-
-    def page_keys(self, extra: str, tokens: Sequence[int], start: int = 0) -> list[bytes]:
-        """Keys of the whole pages of ``tokens`` that end after ``start``."""
-        assert self.keying is not None
-        p = self.keying.page_tokens
-        return extend_hashes(self._seed(extra), tokens, p)[start // p :]
-
     def on_tree_event(self, ev: CacheEvent) -> None:
-        """The device tree gained or lost the pages of ``ev``."""
-        if self.keying is None:
+        """The device tree gained or lost the whole pages of ``ev`` that end after ``ev.start``."""
+        k = self.keying
+        if k is None:
             return
-        for key in self.page_keys(ev.extra, ev.tokens, ev.start):
+        for key in k.keys(ev.tokens, ev.extra)[ev.start // k.page_tokens :]:
             self._change(key, ev.kind == "insert", self._device, self._host)
 
     def on_host_page(self, key: bytes, added: bool) -> None:
@@ -157,10 +132,6 @@ class CacheEventLog:
 
     def unsubscribe(self, sub: Subscription) -> None:
         self._subs.discard(sub)
-
-    @property
-    def subscribers(self) -> int:
-        return len(self._subs)
 
     @property
     def cached_pages(self) -> int:

@@ -18,11 +18,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.common.page_hash import PageKeying
 from services.common.step import WorkerInfo
 from services.common.validation import Limits
 from services.scheduler.batcher import Batcher, BatchLimits, Plan
 from services.scheduler.budget_ledger import BudgetLedger
-from services.scheduler.cache_events import ROUTE_PAGE_TOKENS, CacheEventLog, Keying
+from services.scheduler.cache_events import ROUTE_PAGE_TOKENS, CacheEventLog
 from services.scheduler.elastic_control import ElasticConfig, ElasticControl
 from services.scheduler.memory import HiConfig, MemoryConfig, build_memory
 from services.scheduler.metrics import SchedulerMetrics
@@ -114,7 +115,7 @@ class SchedulerLoop:
         events = self.cache_events
         if mem.follow(events.on_tree_event, events.on_host_page):
             page = info.host_page_tokens if mem.host is not None else ROUTE_PAGE_TOKENS
-            events.attach(Keying(page, info.fingerprint, info.kv_layout or "device"))
+            events.attach(PageKeying(page, info.fingerprint, info.kv_layout or "device"))
         else:
             events.attach(None)
         if self.metrics is not None:

@@ -183,7 +183,6 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
             load.running, load.waiting = len(b.running), len(b.waiting)
             load.used_slots, load.total_slots, load.evictable_slots = u.used_by_requests, u.size, u.evictable
             load.cached_tokens = b.cached_tokens
-            load.waiting_tokens = sum(len(r.prompt) for r in b.waiting)
         return load
 
 

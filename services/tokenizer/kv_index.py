@@ -45,20 +45,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from services.common.page_hash import HashNamespace, extend_hashes
+from services.common.page_hash import PageKeying
 
 Policy = Literal["kv", "round_robin", "least_load"]
 POLICIES: tuple[Policy, ...] = ("kv", "round_robin", "least_load")
 DEFAULT_LOAD_WEIGHT = 32.0  # prompt tokens one running request weighs as
 RECOMPUTE_WEIGHT = 2.0  # see the module docstring
 EXPECT_S = 30.0  # how long a routed prompt's pages count as held by its replica before its events
-
-
-@dataclass(frozen=True, slots=True)
-class Keying:
-    page_tokens: int
-    model_fingerprint: str
-    layout: str
 
 
 @dataclass(slots=True)
@@ -68,17 +61,17 @@ class Replica:
     address: str
     epoch: int = 0
     event_id: int = 0
-    keying: Keying | None = None  # None until its first snapshot
+    keying: PageKeying | None = None  # None until its first snapshot
     pages: set[bytes] = field(default_factory=set)
     running: int = 0  # from its last load report
-    waiting_tokens: int = 0
     sent_tokens: int = 0  # prompt tokens this router sent it that have not started (no first token)
     sent_running: int = 0  # requests this router sent it that have not finished
 
     @property
     def queued(self) -> int:
-        # Not the reported waiting_tokens: they count whole prompts, cached parts included, so a
-        # group held back behind its shared prefix would look like a queue of prefill work.
+        # This router's own estimate of uncached prefill, not the replica's waiting requests: those
+        # count whole prompts, so a group held back behind its shared prefix would look like a
+        # queue of prefill work.
         return self.sent_tokens
 
     @property
@@ -97,7 +90,6 @@ class KvIndex:
     def __init__(self) -> None:
         self.replicas: dict[str, Replica] = {}
         self._holders: dict[bytes, set[str]] = {}
-        self._seeds: dict[tuple[Keying, str], bytes] = {}
         self._expected: dict[bytes, set[str]] = {}  # pages routed to a replica, not yet reported
         self._expiry: deque[tuple[float, str, list[bytes]]] = deque()
 
@@ -117,7 +109,7 @@ class KvIndex:
         snapshot: bool,
         stored: Iterable[bytes],
         removed: Iterable[bytes],
-        keying: Keying | None = None,
+        keying: PageKeying | None = None,
     ) -> bool:
         """Apply one batch from ``address``'s stream. False when it does not follow the last one
         (a gap in the ids, or another epoch): the caller should subscribe again for a snapshot;
@@ -194,23 +186,24 @@ class KvIndex:
         return len(self._holders)
 
     # -- using it ---------------------------------------------------------------------------------
-    def keys(self, keying: Keying, tokens: Sequence[int], salt: str) -> list[bytes]:
-        seed = self._seeds.get((keying, salt))
-        if seed is None:
-            ns = HashNamespace(keying.model_fingerprint, keying.layout, cache_salt=salt)
-            seed = self._seeds[(keying, salt)] = ns.seed
-            if len(self._seeds) > 4096:  # per-user salts must not accumulate
-                self._seeds.clear()
-        return extend_hashes(seed, tokens, keying.page_tokens)
+    def prompt_keys(self, addresses: Sequence[str], tokens: Sequence[int], salt: str) -> dict[PageKeying, list[bytes]]:
+        """The prompt's page keys under each keying these replicas use (hashed once per keying)."""
+        keyings = {r.keying for a in addresses if (r := self.replicas.get(a)) is not None and r.keying is not None}
+        return {k: k.keys(tokens, salt) for k in keyings}
 
     def overlaps(
-        self, addresses: Sequence[str], tokens: Sequence[int], salt: str, expected: bool = True
+        self,
+        addresses: Sequence[str],
+        tokens: Sequence[int],
+        salt: str,
+        expected: bool = True,
+        keys: dict[PageKeying, list[bytes]] | None = None,
     ) -> dict[str, int]:
         """Predicted cached prompt tokens on each replica: its leading pages in the index, with
         the pages expected there unless ``expected`` is False (never the whole prompt: the last
-        token is always computed)."""
+        token is always computed). ``keys``: ``prompt_keys`` of the same request, when known."""
         out = dict.fromkeys(addresses, 0)
-        by_keying: dict[Keying, list[str]] = {}
+        by_keying: dict[PageKeying, list[str]] = {}
         for a in addresses:
             r = self.replicas.get(a)
             if r is not None and r.keying is not None:
@@ -218,7 +211,7 @@ class KvIndex:
         for keying, group in by_keying.items():
             alive = set(group)
             matched = 0
-            for key in self.keys(keying, tokens, salt):
+            for key in keys[keying] if keys is not None else keying.keys(tokens, salt):
                 holders = self._holders.get(key, _NONE)
                 if expected:
                     holders = holders | self._expected.get(key, _NONE)
@@ -262,16 +255,18 @@ class Chooser:
             a = addresses[turn % len(addresses)]
             overlap = self.index.overlaps([a], tokens, salt)[a] if self.policy != "round_robin" else 0
             return Choice(a, overlap, 0.0)
-        zero = dict.fromkeys(addresses, 0)
-        overlaps = self.index.overlaps(addresses, tokens, salt) if self.policy == "kv" else zero
-        reported = self.index.overlaps(addresses, tokens, salt, expected=False) if self.policy == "kv" else zero
+        overlaps = reported = dict.fromkeys(addresses, 0)
+        keys = self.index.prompt_keys(addresses, tokens, salt) if self.policy == "kv" else {}
+        if self.policy == "kv":
+            overlaps = self.index.overlaps(addresses, tokens, salt, keys=keys)
+            reported = self.index.overlaps(addresses, tokens, salt, expected=False, keys=keys)
         costs = {a: self.cost(a, len(tokens), overlaps[a], overlaps[a] - reported[a]) for a in addresses}
         best = min(costs.values())
         tied = [a for a in addresses if costs[a] == best]
         a = tied[turn % len(tied)]
         keying = self.index.replicas[a].keying if a in self.index.replicas else None
-        if self.policy == "kv" and keying is not None:
-            self.index.expect(a, self.index.keys(keying, tokens, salt), now)
+        if keying is not None and keying in keys:
+            self.index.expect(a, keys[keying], now)
         return Choice(a, overlaps[a], best)
 
     def cost(self, address: str, prompt: int, overlap: int, expected: int = 0) -> float:

@@ -23,8 +23,9 @@ import grpc
 from services.common import tls
 from services.common.discovery import Discovery
 from services.common.errors import Unavailable
+from services.common.page_hash import PageKeying
 from services.common.server import CHANNEL_OPTIONS
-from services.tokenizer.kv_index import DEFAULT_LOAD_WEIGHT, Choice, Chooser, Keying, KvIndex, Policy
+from services.tokenizer.kv_index import DEFAULT_LOAD_WEIGHT, Choice, Chooser, KvIndex, Policy
 from strata.scheduler.v1 import scheduler_pb2 as spb
 from strata.scheduler.v1 import scheduler_pb2_grpc as sgrpc
 
@@ -106,8 +107,8 @@ class Router:
             try:
                 async for m in self.stub(address).WatchCache(spb.WatchCacheRequest()):
                     r = self.index.replica(address)
-                    r.running, r.waiting_tokens = m.load.running, m.load.waiting_tokens
-                    keying = Keying(m.keying.page_tokens, m.keying.model_fingerprint, m.keying.layout)
+                    r.running = m.load.running
+                    keying = PageKeying(m.keying.page_tokens, m.keying.model_fingerprint, m.keying.layout)
                     ok = self.index.apply(
                         address, epoch=m.epoch, event_id=m.event_id, snapshot=m.snapshot, stored=m.stored,
                         removed=m.removed, keying=keying if m.snapshot and m.keying.page_tokens else None,

@@ -39,7 +39,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from services.common.page_hash import HashNamespace, page_hashes, state_key
+from services.common.page_hash import HashNamespace, extend_hashes, namespace_seed, state_key
 from services.common.step import CacheOp, HostLoad, JobResult, StateLoad
 from services.scheduler.memory import host_writes
 from services.scheduler.memory.base import CacheHandle, CacheKey
@@ -83,7 +83,6 @@ class HostTier:
         self._busy = 0  # groups in flight (bounded by cfg.max_inflight_jobs with the backlog)
         self._incoming: set[bytes] = set()  # keys a backup is writing to the host
         self._ids = itertools.count(1)
-        self._ns: dict[str, HashNamespace] = {}
         self.counters = HiCounters()
         if cfg.write_policy == "write_back":
             tree.on_remove = lambda *node: host_writes.evicted(self, *node)
@@ -93,11 +92,8 @@ class HostTier:
 
     # -- keys -----------------------------------------------------------------------------------
     def _hashes(self, key: CacheKey) -> list[bytes]:
-        ns = self._ns.get(key.extra)
-        if ns is None:
-            base = self.namespace
-            ns = self._ns[key.extra] = HashNamespace(base.model_fingerprint, base.layout, cache_salt=key.extra)
-        return page_hashes(key.tokens, self.tree_page, ns)
+        base = self.namespace
+        return extend_hashes(namespace_seed(base.model_fingerprint, base.layout, key.extra), key.tokens, self.tree_page)
 
     def _skey(self, page_hash: bytes) -> bytes:
         return state_key(page_hash, self.state_layout)

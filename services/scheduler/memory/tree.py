@@ -109,10 +109,6 @@ class PrefixTree(PrefixCache):
 
     # -- queries --------------------------------------------------------------------------------
 
-    def roots(self) -> dict[str, TreeNode]:
-        """One root per extra key that has cached prefixes (read-only: for walking the tree)."""
-        return self._roots
-
     def match(self, key: CacheKey, *, touch: bool = True) -> TreeMatch:
         """The longest usable prefix of `key` (whole pages; with states, up to the deepest state).
         `touch=False` only looks: no recency, no hit counted (the tree may still split an edge)."""
