@@ -88,7 +88,7 @@ bench-attention: install
 bench-hicache-hybrid: install $(BENCH_NEXT)/config.json
 	$(BIN)/python -m services.bench.hicache --model $(BENCH_NEXT)
 
-# 4 replicas: kv vs round_robin vs least_load routing (and round_robin + shared L3) on multi-turn and shared-prefix traces, plus router cost (~15 min); writes docs/bench/replicas.json.
+# 4 replicas: kv vs round_robin vs least_load routing (and round_robin + shared L3) on multi-turn and shared-prefix traces, plus router cost (~8 min on 2 cores); writes docs/bench/replicas.json.
 bench-replicas: install $(BENCH_MODEL)/config.json
 	$(BIN)/python -m services.bench.replicas --model $(BENCH_MODEL) --run-dir .runs/bench-replicas
 

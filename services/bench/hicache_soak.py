@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import random
 import signal
@@ -124,6 +125,10 @@ class SoakConfig:
             raise ValueError(f"bars_mib needs exactly one bar per service {SERVICES}, got {sorted(self.bars_mib)}")
         if self.slope_bars_mib_per_hour and set(self.slope_bars_mib_per_hour) != set(SERVICES):
             raise ValueError(f"slope_bars_mib_per_hour needs one bar per service {SERVICES} (or none)")
+
+    def done(self, repetitions: int, seconds: float) -> bool:
+        """Whether the run is over after ``repetitions`` repetitions and ``seconds`` of load."""
+        return seconds >= self.minutes * 60 if self.minutes else repetitions >= self.repetitions
 
     @property
     def prompt_cap(self) -> int:
@@ -355,10 +360,8 @@ async def _drive(stack: Stack, cfg: SoakConfig, report: SoakReport, say: Callabl
         poller = asyncio.create_task(_poll_kvstore(kv, report, stop))
         t0 = time.monotonic()
         try:
-            rep = -1
-            while True:
-                rep += 1
-                if (rep >= cfg.repetitions) if not cfg.minutes else (time.monotonic() - t0 >= cfg.minutes * 60):
+            for rep in itertools.count():
+                if cfg.done(rep, time.monotonic() - t0):
                     break
                 load = RepLoad()
                 start = time.monotonic()

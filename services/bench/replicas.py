@@ -30,13 +30,13 @@ greedy, ``ignore_eos``):
 - shared prefix: ``groups`` system prompts of ``system_tokens``, ``group_requests`` requests each
   (+ ``user_tokens`` of their own, answers of ``answer_tokens``), ``shared_concurrency`` in flight,
   in a seeded shuffled order: interleaved groups would let round-robin send every group to the same
-  replica whenever the groups are a multiple of the replicas. A request routed before the first
-  of its group has been prefilled finds nothing in the kv router's index (it learns pages from the
-  schedulers' cache events), where a single replica's scheduler matches it at admission.
+  replica whenever the groups are a multiple of the replicas. Requests of a group in flight at once
+  are what the kv router's *expected* pages are for: the first's pages reach its index only once
+  that replica has prefilled them.
 
 **Sizes.** The defaults (16 clients × 6 turns × 160 new tokens, histories of 1,120 prompt tokens
 on the last turn; 8 groups × 8 requests of 1,024 + 64 tokens; 32-token answers; 2 repeats) are
-sized for about 15 minutes on a 2-core machine (an estimate from smaller runs). The issue's full
+sized for about 8 minutes on a 2-core machine (7.7 min measured). The issue's full
 size is ``--clients 32 --turns 6 --turn-tokens 320 --answer-tokens 32``: histories reach 2,080
 prompt tokens on the last turn and each worker holds a 1.3 GiB KV pool; roughly 3x as long.
 

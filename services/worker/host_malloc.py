@@ -25,8 +25,6 @@ growing with the default; flat with these settings.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
 import time
@@ -43,21 +41,22 @@ _M_ARENA_MAX = -8
 _done = False
 
 
+def _mallopt(param: int, value: int) -> bool:
+    """glibc's ``mallopt``; False where there is none."""
+    fn = getattr(memory_report.LIBC, "mallopt", None)
+    return fn is not None and bool(fn(param, value))
+
+
 def keep_large_blocks_on_heap() -> bool:
     """Set both thresholds (once per process); False where the C library is not glibc."""
     global _done
     if _done:
         return True
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    if getattr(memory_report.LIBC, "mallopt", None) is None:
         log.info("no glibc mallopt here: allocator thresholds left as they are")
         return False
-    ok = bool(mallopt(_M_MMAP_THRESHOLD, THRESHOLD_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, THRESHOLD_BYTES))
-    _done = ok
-    return ok
+    _done = _mallopt(_M_MMAP_THRESHOLD, THRESHOLD_BYTES) and _mallopt(_M_TRIM_THRESHOLD, THRESHOLD_BYTES)
+    return _done
 
 
 TRIM_EVERY_S = 10.0
@@ -72,8 +71,7 @@ class Trimmer:
         self.min_free_bytes = min_free_bytes
         self.trims = 0
         self._last = time.monotonic()
-        libc = _libc()
-        self._trim = getattr(libc, "malloc_trim", None)
+        self._trim = getattr(memory_report.LIBC, "malloc_trim", None)
 
     def maybe(self) -> bool:
         """Trim if it is time and enough is free; True if it trimmed."""
@@ -88,21 +86,8 @@ class Trimmer:
         return True
 
 
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-
-
 def cap_arenas(n: int = ARENAS) -> bool:
     """At most ``n`` glibc arenas (unless ``MALLOC_ARENA_MAX`` is set). glibc fixes the limit the
     first time a thread needs a new arena, so this must run before the process starts threads
     that allocate: the worker calls it first thing in ``main``. False where it cannot apply."""
-    if "MALLOC_ARENA_MAX" in os.environ:
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(_M_ARENA_MAX, n))
-    except (OSError, AttributeError):
-        return False
+    return "MALLOC_ARENA_MAX" not in os.environ and _mallopt(_M_ARENA_MAX, n)

@@ -48,7 +48,7 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
-_LIBC = _libc()
+LIBC = _libc()  # the C library, for mallinfo2 / malloc_info here and mallopt / malloc_trim in host_malloc
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +62,7 @@ class Heap:
 
 
 def heap() -> Heap:
-    fn = getattr(_LIBC, "mallinfo2", None)
+    fn = getattr(LIBC, "mallinfo2", None)
     if fn is None:
         return Heap(0, 0, 0, 0)
     fn.restype = _Mallinfo2
@@ -75,19 +75,19 @@ _HEAP_RE = re.compile(r'<heap nr="(\d+)">.*?<system type="current" size="(\d+)"/
 
 def arena_sizes() -> list[int]:
     """Bytes each arena holds from the system, in arena order (``malloc_info``; [] if unavailable)."""
-    if _LIBC is None or not hasattr(_LIBC, "malloc_info"):
+    if LIBC is None or not hasattr(LIBC, "malloc_info"):
         return []
-    fopen, fclose = _LIBC.fopen, _LIBC.fclose
+    fopen, fclose = LIBC.fopen, LIBC.fclose
     fopen.restype = ctypes.c_void_p
     fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
     fclose.argtypes = [ctypes.c_void_p]
-    _LIBC.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    LIBC.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
     with tempfile.NamedTemporaryFile("r", suffix=".xml") as f:
         fp = fopen(f.name.encode(), b"w")
         if not fp:
             return []
         try:
-            _LIBC.malloc_info(0, fp)
+            LIBC.malloc_info(0, fp)
         finally:
             fclose(fp)
         xml = f.read()
