@@ -123,6 +123,16 @@ def state_key(page_hash: bytes, state_layout: str) -> bytes:
     return hashlib.sha256(_field(_STATE) + _field(state_layout.encode()) + page_hash).digest()
 
 
+def rank_key(key: bytes, tp_rank: int, tp_size: int) -> bytes:
+    """The L3 key under which tensor-parallel rank ``tp_rank`` of ``tp_size`` stores its shard of
+    the page (or state) the scheduler keyed ``key``. The scheduler's keys are rank 0's (its
+    ``kv_layout`` / ``state_layout`` end in ``tp0of<size>``, so they differ between TP sizes);
+    each other rank derives its own, so ranks never read each other's shards."""
+    if tp_rank == 0:
+        return key
+    return hashlib.sha256(_field(b"tp-rank") + struct.pack("<II", tp_rank, tp_size) + key).digest()
+
+
 @functools.lru_cache(maxsize=4096)  # per-user salts come and go: bounded
 def namespace_seed(
     model_fingerprint: str, layout: str, cache_salt: str = "", tp_rank: int = 0, tp_size: int = 1

@@ -296,3 +296,4 @@ class WorkerInfo:
     l3: bool = False  # the worker reaches the kvstore shards (L3Put / L3Get work)
     host_states: int = 0  # host state slots for Mamba states (hybrid models); 0 = none
     state_layout: str = ""  # names a host state's bytes (for L3 keys of states); empty without them
+    tp_size: int = 1  # tensor-parallel ranks running the model (services.worker.tp)

@@ -265,6 +265,7 @@ def info_to_pb(i: WorkerInfo) -> wpb.WorkerInfo:
         l3=i.l3,
         host_states=i.host_states,
         state_layout=i.state_layout,
+        tp_size=i.tp_size,
     )
 
 
@@ -297,4 +298,5 @@ def info_from_pb(m: wpb.WorkerInfo) -> WorkerInfo:
         l3=m.l3,
         host_states=m.host_states,
         state_layout=m.state_layout,
+        tp_size=m.tp_size or 1,
     )

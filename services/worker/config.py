@@ -57,6 +57,14 @@ class WorkerConfig:
     trace_target: str = field(default="", metadata=_h("file path or OTLP endpoint for spans"))
     lease_ttl_s: float = field(default=5.0, metadata=_h("etcd lease TTL"))
     log_level: str = field(default="info", metadata=_h("debug, info, warning, error"))
+    tp: int = field(default=1, metadata=_h(
+        "tensor-parallel ranks: the model's heads, MLP and experts split over this many processes (gloo on "
+        "the CPU); this process is rank 0 and starts the others"))
+    tp_timeout_s: float = field(default=60.0, metadata=_h(
+        "tensor parallel: a collective inside a step (or joining the group) fails after this long"))
+    tp_rank: int = field(default=0, metadata=_h("tensor parallel, set by rank 0 for the ranks it starts"))
+    tp_init: str = field(default="", metadata=_h(
+        "tensor parallel, set by rank 0 for the ranks it starts: the group's tcp://host:port"))
     tls_cert: str = field(default="", metadata={"help": "TLS certificate (PEM); mutual TLS with tls_ca"})
     tls_key: str = field(default="", metadata={"help": "its private key (PEM)"})
     tls_ca: str = field(default="", metadata={"help": "CA of the services' certificates; empty = plaintext"})
@@ -84,5 +92,11 @@ class WorkerConfig:
             raise ConfigError(f"host_state_share: must be > 0 and < 1, got {self.host_state_share}")
         if self.threads < 0:
             raise ConfigError("threads: must be >= 0 (0 = one per core)")
+        if self.tp < 1:
+            raise ConfigError(f"tp: must be >= 1, got {self.tp}")
+        if not 0 <= self.tp_rank < self.tp or (self.tp_rank and not self.tp_init):
+            raise ConfigError(f"tp_rank: must be in [0, tp={self.tp}), and a follower needs tp_init")
+        if self.tp_timeout_s <= 0:
+            raise ConfigError("tp_timeout_s: must be > 0")
         if self.l3 and not (self.etcd and self.host_cache_bytes):
             raise ConfigError("l3: needs --etcd (to find the kvstore shards) and --host-cache-bytes > 0")

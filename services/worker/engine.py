@@ -34,6 +34,7 @@ from services.common.step import (
     MAX_TOP_LOGPROBS,
     HostBackup,
     HostLoad,
+    JobResult,
     L3Get,
     L3Put,
     LateMasks,
@@ -63,6 +64,7 @@ from services.worker.pool_backing import choose_backing
 from services.worker.pools import KVPool, ReqToTokenTable
 from services.worker.sampler import SamplerInput, sample
 from services.worker.step_check import check_step, decode_bitmask
+from services.worker.tp import SINGLE, Tp
 
 if TYPE_CHECKING:
     from services.worker.mamba_pool import MambaPool
@@ -74,8 +76,12 @@ log = logging.getLogger(__name__)
 class Engine:
     """Owns the weights and the device pools; executes steps. Not thread-safe (one step at a time)."""
 
-    def __init__(self, model_dir: Path | str, cfg: EngineConfig | None = None, l3: L3Port | None = None) -> None:
-        """``l3``: the kvstore shards, for ``L3Put`` / ``L3Get`` (needs a host pool)."""
+    def __init__(
+        self, model_dir: Path | str, cfg: EngineConfig | None = None, l3: L3Port | None = None, tp: Tp = SINGLE
+    ) -> None:
+        """``l3``: the kvstore shards, for ``L3Put`` / ``L3Get`` (needs a host pool). ``tp``: this
+        engine is one rank of a tensor-parallel group: it holds its shard of the weights and of
+        every pool, runs every step the group runs, and only rank 0 samples (``step``)."""
         cfg = cfg or EngineConfig()
         model_dir = Path(model_dir)
         device = torch.device(cfg.device)
@@ -86,7 +92,8 @@ class Engine:
             torch.set_num_threads(cfg.threads)
         if device.type == "cpu":
             keep_large_blocks_on_heap()
-        loaded = load_model(model_dir, dtype=dtype, device=str(device))
+        loaded = load_model(model_dir, dtype=dtype, device=str(device), tp=tp)
+        self.tp = tp
         model = cast(CausalLM, loaded.model)
         context = cfg.max_context or int(loaded.hf_config["max_position_embeddings"])
         self.cfg = cfg
@@ -103,6 +110,7 @@ class Engine:
             KVPool.slot_bytes(model.num_kv_layers, model.num_kv_heads, model.head_dim, dtype),
             cfg.max_rows * context,
         )  # fmt: skip
+        kv_bytes = tp.agree_min([kv_bytes])[0]  # the same slot indices on every rank
         self.kv = KVPool.from_budget(
             kv_bytes, model.num_kv_layers, model.num_kv_heads, model.head_dim, dtype, device,
             cfg.page_size, max_bytes=kv_max, backing=backing,
@@ -116,7 +124,7 @@ class Engine:
             self.mamba = Pool(cfg.initial_mamba_slots, spec, device, max_slots=mamba_max or None, backing=backing)
         self.host: HostTier | None = None
         if cfg.host_cache_bytes:
-            self.host = _host_tier(cfg, model, self.mamba, dtype, device, l3)
+            self.host = _host_tier(cfg, model, self.mamba, dtype, device, l3, tp)
         elif l3 is not None:
             raise ValueError("an L3 connection needs a host pool (host_cache_bytes > 0)")
         host_states = self.host.states if self.host else None
@@ -144,10 +152,11 @@ class Engine:
             elastic=backing.elastic,
             host_pages=self.host.pool.num_pages if self.host else 0,
             host_page_tokens=cfg.host_page_tokens if self.host else 0,
-            kv_layout=f"{self.host.pool.layout}/tp0of1" if self.host else "",
+            kv_layout=f"{self.host.pool.layout}/tp0of{tp.size}" if self.host else "",
             l3=self.host is not None and self.host.l3 is not None,
             host_states=host_states.num_states if host_states else 0,
-            state_layout=f"{host_states.layout}/tp0of1" if host_states else "",
+            state_layout=f"{host_states.layout}/tp0of{tp.size}" if host_states else "",
+            tp_size=tp.size,
         )
         # Decodes read the pool in place with the native kernel where it is built (fp32 CPU pools).
         self._native_decode = device.type == "cpu" and cfg.attention != "reference" and paged_decode_available(dtype)
@@ -194,7 +203,7 @@ class Engine:
     def _step(self, req: StepRequest, late_masks: Callable[[], LateMasks] | None) -> StepResult:
         masks = self._validate(req)
         late = [i for i, r in enumerate(req.reqs) if r.mask_follows]
-        if late and late_masks is None:
+        if late and late_masks is None and self.tp.rank == 0:
             raise StepError(f"step {req.step_id}: mask_follows is set but no late masks can arrive")
         self._run_ops(req)
         result = StepResult(
@@ -207,23 +216,49 @@ class Engine:
         )
         if not req.reqs:
             if self.host is not None:
-                result.jobs = self.host.finish()
+                result.jobs = self._finish_host()
             return result
         t0 = time.perf_counter()
         logits = self._forward(req.reqs, all_logits=False)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # so forward_s measures the forward, not the launch
         t1 = time.perf_counter()
-        if late:
-            assert late_masks is not None
-            self._apply_late_masks(req, late, late_masks(), masks)
-        t2 = time.perf_counter()
-        result.outputs = self._sample(req.reqs, masks, logits.float())
+        n = sum(1 for r in req.reqs if r.sample)
+        if self.tp.rank:  # a follower: rank 0 samples and sends the ids
+            ids = self.tp.share_ints(None, n)
+            if ids is None:
+                raise StepError(f"step {req.step_id}: rank 0 failed to sample it")
+            self._record_samples(req.reqs, ids)
+            t2 = time.perf_counter()
+        else:
+            try:
+                if late:
+                    assert late_masks is not None
+                    self._apply_late_masks(req, late, late_masks(), masks)
+                t2 = time.perf_counter()
+                result.outputs = self._sample(req.reqs, masks, logits.float())
+            except BaseException:
+                if self.tp.size > 1:
+                    self.tp.share_ints(None, n)  # the followers fail this step too
+                raise
+            if self.tp.size > 1:
+                self.tp.share_ints([o.token_id for o in result.outputs], n)
         result.forward_s, result.sample_s = t1 - t0, time.perf_counter() - t2
         if self.host is not None:  # L3 transfers ran alongside the forward
-            result.jobs = self.host.finish()
+            result.jobs = self._finish_host()
         result.idle_s = t2 - t1 if late else 0.0  # waiting for the late masks
         return result
+
+    def _finish_host(self) -> list[JobResult]:
+        """The host jobs' results; with tensor parallelism, what every rank achieved (an L3 get
+        counts the pages every rank fetched: a page one rank lacks is missing for all)."""
+        assert self.host is not None
+        jobs = self.host.finish()
+        if self.tp.size == 1 or not jobs:
+            return jobs
+        counts = self.tp.agree_min([j.pages for j in jobs] + [int(j.ok) for j in jobs])
+        k = len(jobs)
+        return [JobResult(j.job_id, bool(ok), c) for j, c, ok in zip(jobs, counts[:k], counts[k:], strict=True)]
 
     def _apply_late_masks(
         self, req: StepRequest, late: list[int], lm: LateMasks, masks: list[torch.Tensor | None]
@@ -336,20 +371,25 @@ class Engine:
             picks = sample(logits, inputs)
         except ValueError as e:
             raise StepError(f"sampling failed: {e}") from e
+        self._record_samples(reqs, [p.token_id for p in picks])
         outputs = []
         for i, pick in zip(chosen, picks, strict=True):
             r = reqs[i]
-            self._last_sample[r.row] = pick.token_id
-            if r.row in self._history:
-                self._history[r.row].append(pick.token_id)
             logprob = pick if r.return_logprobs else None
             outputs.append(ReqOutput(r.request_id, r.row, pick.token_id, logprob))
         return outputs
 
+    def _record_samples(self, reqs: list[ReqInput], ids: list[int]) -> None:
+        """Remember each sampling request's token: the next decode's input and penalty history."""
+        for r, token in zip((r for r in reqs if r.sample), ids, strict=True):
+            self._last_sample[r.row] = token
+            if r.row in self._history:
+                self._history[r.row].append(token)
+
 
 def _host_tier(
     cfg: EngineConfig, model: CausalLM, mamba: MambaPool | None, dtype: torch.dtype, device: torch.device,
-    l3: L3Port | None,
+    l3: L3Port | None, tp: Tp,
 ) -> HostTier:
     """The host pools for ``cfg.host_cache_bytes``: all KV pages on a dense model; on a hybrid one
     ``host_state_share`` of the bytes for Mamba states (a state-first ``HostStatePool``) and the
@@ -371,7 +411,7 @@ def _host_tier(
             f"bytes to KV pages and {state_bytes} to Mamba states: {e}; raise host_cache_bytes or move "
             "host_state_share"
         ) from e
-    return HostTier(pool, l3, states=states)
+    return HostTier(pool, l3, states=states, tp_rank=tp.rank, tp_size=tp.size)
 
 
 def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

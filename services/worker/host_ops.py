@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from services.common.page_hash import rank_key
 from services.common.step import (
     HostBackup,
     HostLoad,
@@ -146,9 +147,14 @@ class HostTier:
         l3: L3Port | None,
         timeout_s: float = 10.0,
         states: HostStatePool | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
+        """``tp_rank`` / ``tp_size``: a tensor-parallel rank stores and fetches its shards under
+        its own keys (``page_hash.rank_key``)."""
         self.pool = pool
         self.l3 = l3
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.timeout_s = timeout_s
         self.states = states
         self._results: list[JobResult | None] = []
@@ -190,12 +196,15 @@ class HostTier:
             fut: concurrent.futures.Future[object]
             if isinstance(op, L3Put):
                 read = self._state_pool().state_bytes if op.states else self.pool.page_bytes
-                data = [(k, bytes(read(p))) for k, p in zip(op.keys, op.host_pages, strict=True)]
+                data = [(self._key(k), bytes(read(p))) for k, p in zip(op.keys, op.host_pages, strict=True)]
                 fut = self.l3.put(data)  # type: ignore[assignment]
             else:
-                fut = self.l3.get(list(op.keys))  # type: ignore[assignment]
+                fut = self.l3.get([self._key(k) for k in op.keys])  # type: ignore[assignment]
             self._pending.append((len(self._results), op, fut))
             self._results.append(None)
+
+    def _key(self, key: bytes) -> bytes:
+        return key if self.tp_size == 1 else rank_key(key, self.tp_rank, self.tp_size)
 
     def finish(self) -> list[JobResult]:
         """Wait for the L3 transfers started by ``run`` and return every op's result, in order."""

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from torch import nn
 
 from services.worker.models.registry import build_model
+from services.worker.tp import SINGLE, Shard, Tp
 
 INDEX_FILE = "model.safetensors.index.json"
 # Files whose bytes define the model as far as a client can tell (weights are added separately).
@@ -95,21 +96,39 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def read_tensors(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of every weight file, floating ones converted to ``dtype`` (on the CPU)."""
+def read_tensors(
+    model_dir: Path, dtype: torch.dtype, shards: dict[str, Shard] | None = None
+) -> dict[str, torch.Tensor]:
+    """Every tensor of every weight file, floating ones converted to ``dtype`` (on the CPU).
+
+    ``shards``: tensors of which only a slice is wanted (tensor parallelism); only that slice is
+    read from the file."""
     tensors: dict[str, torch.Tensor] = {}
+    shards = shards or {}
     for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if name in tensors:
                     raise LoadError(f"tensor {name!r} appears in more than one weight file ({path.name})")
-                t = f.get_tensor(name)
+                shard = shards.get(name)
+                if shard is None:
+                    t = f.get_tensor(name)
+                else:
+                    part = f.get_slice(name)
+                    shape = tuple(part.get_shape())
+                    if shard.dim >= len(shape) or max(b for _, b in shard.pieces) > shape[shard.dim]:
+                        raise LoadError(f"tensor {name!r} of shape {shape} cannot hold this rank's shard {shard}")
+                    t = shard.take(shape, part)
                 tensors[name] = t.to(dtype) if t.is_floating_point() else t
     return tensors
 
 
-def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
+def load_model(
+    model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu", tp: Tp = SINGLE
+) -> LoadedModel:
     """Build the model ``config.json`` names and fill every weight from the checkpoint.
+
+    ``tp``: build this rank's shard of the model and read only its slices of the weights.
 
     Raises ``LoadError`` (a ``ValueError``) for an unsupported architecture, a missing tensor, a
     tensor of the wrong shape, or a checkpoint tensor the model has no place for.
@@ -118,12 +137,13 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str 
     hf_config = read_config(model_dir)
     try:
         with torch.device("meta"):
-            model = build_model(hf_config)
+            model = build_model(hf_config, tp)
     except LoadError:
         raise
     except ValueError as e:
         raise LoadError(f"{model_dir}: {e}") from e
-    tensors = read_tensors(model_dir, dtype)
+    shards = {n: p.tp_shard for n, p in model.state_dict(keep_vars=True).items() if hasattr(p, "tp_shard")}
+    tensors = read_tensors(model_dir, dtype, shards)
     convert = getattr(model, "convert_checkpoint", None)
     if convert is not None:
         tensors = convert(tensors)

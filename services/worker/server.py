@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,11 +19,12 @@ from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.metrics import MetricFactory, serve_metrics
 from services.common.server import Server, run_service
 from services.common.step import LateMasks, StepRequest, StepResult
-from services.worker import memory_report
+from services.worker import memory_report, tp_group
 from services.worker.config import WorkerConfig
 from services.worker.engine import Engine, EngineConfig
 from services.worker.host_malloc import Trimmer, cap_arenas
 from services.worker.l3_port import KVStorePort
+from services.worker.tp import SINGLE
 from strata.worker.v1 import worker_pb2 as wpb
 from strata.worker.v1 import worker_pb2_grpc as wgrpc
 
@@ -120,15 +123,19 @@ class WorkerServicer(wgrpc.WorkerServicer):
                 except ValueError as e:
                     raise InvalidArgument(f"step {msg.step_id}: {e}") from e
                 self._trace_new_requests(step)
-                result = await loop.run_in_executor(self.thread, self._step, step, wait_late_masks)
+                raw = msg.SerializeToString() if self.engine.tp.size > 1 else b""
+                result = await loop.run_in_executor(self.thread, self._step, step, raw, wait_late_masks)
                 if self.metrics is not None:
                     self.metrics.observe(step, result)
                 yield step_codec.result_to_pb(result)
         finally:
             self._busy = False
 
-    def _step(self, step: StepRequest, wait_late_masks: Callable[[], LateMasks]) -> StepResult:
-        """On the engine thread: the step, then the free heap back to the kernel when due."""
+    def _step(self, step: StepRequest, raw: bytes, wait_late_masks: Callable[[], LateMasks]) -> StepResult:
+        """On the engine thread: the step (sent first to the other tensor-parallel ranks, ``raw``),
+        then the free heap back to the kernel when due."""
+        if raw:
+            self.engine.tp.send_bytes(raw)
         result = self.engine.step(step, wait_late_masks)
         self.trimmer.maybe()
         return result
@@ -165,14 +172,25 @@ def engine_config(cfg: WorkerConfig) -> EngineConfig:
 
 
 async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
-    telemetry.setup_tracing("worker", cfg.trace_exporter, cfg.trace_target.replace("{service}", "worker"))
     port_l3 = KVStorePort(cfg.etcd) if cfg.l3 else None
     if port_l3 is not None:
         await port_l3.start()
+    if cfg.tp_rank:  # a follower: no server, no registration (see tp_group)
+        await tp_group.serve_follower(cfg, stop, lambda tp: Engine(Path(cfg.model), engine_config(cfg), port_l3, tp))
+        return
+    telemetry.setup_tracing("worker", cfg.trace_exporter, cfg.trace_target.replace("{service}", "worker"))
+    followers = tp_group.Followers(cfg) if cfg.tp > 1 else None
     thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
-    engine = await asyncio.get_running_loop().run_in_executor(
-        thread, Engine, Path(cfg.model), engine_config(cfg), port_l3
-    )
+    loop = asyncio.get_running_loop()
+    try:
+        tp = SINGLE if followers is None else await loop.run_in_executor(
+            thread, tp_group.join, cfg, followers.init_method
+        )
+        engine = await loop.run_in_executor(thread, Engine, Path(cfg.model), engine_config(cfg), port_l3, tp)
+    except BaseException:
+        if followers is not None:
+            followers.stop()
+        raise
     info = engine.info
     name = cfg.model_name or info.model
     if cfg.etcd:
@@ -196,7 +214,7 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
         registration = Registration(cfg.etcd, record, ttl_s=cfg.lease_ttl_s)
         await registration.start()
     log.info(
-        "worker serving %s on %s (%d slots, %d rows, %d host pages, %d host states, L3 %s)",
+        "worker serving %s on %s (%d slots, %d rows, %d host pages, %d host states, L3 %s, tp %d)",
         name,
         address,
         info.num_slots,
@@ -204,12 +222,28 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
         info.host_pages,
         info.host_states,
         "on" if info.l3 else "off",
+        info.tp_size,
     )
     print(f"READY worker {address}{metrics}", flush=True)
-    await stop.wait()
+    died = asyncio.ensure_future(followers.first_death()) if followers is not None else None
+    await asyncio.wait([asyncio.ensure_future(stop.wait()), *([died] if died else [])],
+                       return_when=asyncio.FIRST_COMPLETED)
+    if died is not None and died.done():  # a rank is gone: the group cannot serve; say which, loudly
+        message = tp_group.describe_death(*died.result())
+        log.error("%s", message)
+        if registration is not None:
+            await registration.stop()
+        followers.stop()  # type: ignore[union-attr]
+        print(f"worker: {message}", file=sys.stderr, flush=True)
+        os._exit(1)  # the engine thread may sit in a collective until its timeout: do not wait for it
     if registration is not None:
         await registration.stop()
     await server.stop()
+    if followers is not None:
+        if died is not None:
+            died.cancel()
+        await loop.run_in_executor(thread, tp.send_bytes, b"")  # the followers' stop message
+        followers.stop()
     if port_l3 is not None:
         await port_l3.close()
     telemetry.shutdown_tracing()

@@ -15,6 +15,7 @@ from kernels.attention import decode_attention, decode_attention_torch, extend_a
 from kernels.attention_cpu import run_attention
 from kernels.kv_store import store_kv
 from services.worker.batch import ForwardBatch, ForwardContext
+from services.worker.tp import SINGLE, RowLinear, Tp, column_linear
 
 
 class RMSNorm(nn.Module):
@@ -81,16 +82,22 @@ class RotaryEmbedding:
 
 
 class SwiGLU(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with the Hugging Face parameter names."""
+    """``down(silu(gate(x)) * up(x))`` with the Hugging Face parameter names.
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+    Tensor parallel: ``gate`` / ``up`` column-parallel, ``down`` row-parallel; ``forward`` returns
+    this rank's partial sum unless ``reduce`` (one all-reduce per block: an MoE sums its experts
+    first)."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, tp: Tp = SINGLE) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.tp = tp
+        self.gate_proj = column_linear(hidden, intermediate, tp, bias)
+        self.up_proj = column_linear(hidden, intermediate, tp, bias)
+        self.down_proj = RowLinear(intermediate, hidden, tp, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.tp.all_reduce(y) if reduce else y
 
 
 def slot_attention(

@@ -14,6 +14,7 @@ from torch import nn
 
 from services.worker.batch import ForwardBatch, ForwardContext
 from services.worker.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, slot_attention
+from services.worker.tp import SINGLE, RowLinear, Tp, column_linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,13 +93,19 @@ def _rope(hf: dict[str, Any]) -> tuple[float, float]:
 
 
 class DenseAttention(nn.Module):
-    def __init__(self, cfg: DenseConfig, kv_layer: int, rotary: RotaryEmbedding) -> None:
+    """Tensor parallel: this rank's query heads and the KV heads they read (``Tp.kv_heads``);
+    ``o_proj`` row-parallel, all-reduced."""
+
+    def __init__(self, cfg: DenseConfig, kv_layer: int, rotary: RotaryEmbedding, tp: Tp = SINGLE) -> None:
         super().__init__()
         d, bias = cfg.head_dim, cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=bias)
+        kv0, nkv = tp.kv_heads(cfg.num_kv_heads, cfg.num_heads)
+        kv_rows = ((kv0 * d, (kv0 + nkv) * d),)
+        self.tp = tp
+        self.q_proj = column_linear(cfg.hidden_size, cfg.num_heads * d, tp, bias)
+        self.k_proj = column_linear(cfg.hidden_size, cfg.num_kv_heads * d, tp, bias, kv_rows)
+        self.v_proj = column_linear(cfg.hidden_size, cfg.num_kv_heads * d, tp, bias, kv_rows)
+        self.o_proj = RowLinear(cfg.num_heads * d, cfg.hidden_size, tp, bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.kv_layer = kv_layer
@@ -118,14 +125,14 @@ class DenseAttention(nn.Module):
         q = self.rotary.apply(q, cos, sin)
         k = self.rotary.apply(k, cos, sin)
         o = slot_attention(q, k, v, self.kv_layer, batch, ctx, self.scale)
-        return self.o_proj(o.reshape(t, -1))
+        return self.tp.all_reduce(self.o_proj(o.reshape(t, -1)))
 
 
 class DenseDecoderLayer(nn.Module):
-    def __init__(self, cfg: DenseConfig, index: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: DenseConfig, index: int, rotary: RotaryEmbedding, tp: Tp = SINGLE) -> None:
         super().__init__()
-        self.self_attn = DenseAttention(cfg, index, rotary)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.self_attn = DenseAttention(cfg, index, rotary, tp)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, tp=tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -137,11 +144,11 @@ class DenseDecoderLayer(nn.Module):
 
 
 class DenseModel(nn.Module):
-    def __init__(self, cfg: DenseConfig) -> None:
+    def __init__(self, cfg: DenseConfig, tp: Tp = SINGLE) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DenseDecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DenseDecoderLayer(cfg, i, self.rotary, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
@@ -159,18 +166,18 @@ class Qwen3ForCausalLM(nn.Module):
 
     qk_norm = True
 
-    def __init__(self, hf_config: dict[str, Any]) -> None:
+    def __init__(self, hf_config: dict[str, Any], tp: Tp = SINGLE) -> None:
         super().__init__()
         cfg = DenseConfig.from_hf(hf_config, qk_norm=self.qk_norm)
         self.config = cfg
-        self.model = DenseModel(cfg)
+        self.model = DenseModel(cfg, tp)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             # One Parameter under two names: the loader fills it from whichever name is stored.
             self.lm_head.weight = self.model.embed_tokens.weight
         self.vocab_size = cfg.vocab_size
         self.num_kv_layers = cfg.num_layers
-        self.num_kv_heads = cfg.num_kv_heads
+        self.num_kv_heads = tp.kv_heads(cfg.num_kv_heads, cfg.num_heads)[1]
         self.head_dim = cfg.head_dim
 
     def forward(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:

@@ -6,7 +6,8 @@ A model class is an ``nn.Module`` built from the raw ``config.json`` dict
 loader builds it on the ``meta`` device, so ``__init__`` must not compute tensor values: anything
 derived (rotary tables) is computed lazily on first use. Weights that are tied are the same
 ``nn.Parameter`` object under two names; the loader fills either from whichever name the checkpoint
-has.
+has. Tensor parallelism: ``cls(hf_config, tp)`` builds rank ``tp.rank``'s shard, its parameters
+marked with the slice of the checkpoint tensor they hold (``services.worker.tp``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from services.worker.batch import ForwardBatch, ForwardContext
+    from services.worker.tp import Tp
 
 
 @runtime_checkable
@@ -35,7 +37,7 @@ class CausalLM(Protocol):
 
     vocab_size: int
     num_kv_layers: int  # full-attention layers (KV pool layers)
-    num_kv_heads: int
+    num_kv_heads: int  # this rank's KV heads (tensor parallelism: its shard)
     head_dim: int
 
     def forward(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor: ...
@@ -71,9 +73,11 @@ def model_class(architecture: str) -> type[nn.Module]:
     return cls
 
 
-def build_model(hf_config: dict[str, Any]) -> nn.Module:
-    """Instantiate (on the current default device) the model ``hf_config`` describes."""
+def build_model(hf_config: dict[str, Any], tp: Tp | None = None) -> nn.Module:
+    """Instantiate (on the current default device) the model ``hf_config`` describes; with ``tp``,
+    this rank's shard of it (see ``services.worker.tp``)."""
     archs = hf_config.get("architectures")
     if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
         raise ValueError("config.json has no 'architectures' list naming the model class")
-    return model_class(archs[0])(hf_config)
+    cls: Any = model_class(archs[0])
+    return cls(hf_config) if tp is None or tp.size == 1 else cls(hf_config, tp)

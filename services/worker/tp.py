@@ -1,0 +1,204 @@
+"""Tensor parallelism: one model over ``size`` ranks joined in a torch.distributed process group.
+
+Sharding (as the peers do it, one all-reduce per block):
+
+* attention by heads: rank ``r`` computes query heads ``[r*Hq/n, (r+1)*Hq/n)`` and the KV heads
+  they read; when there are fewer KV heads than ranks, a KV head is replicated on ``n / Hkv``
+  ranks (rank ``r`` holds head ``r * Hkv // n``). ``o_proj`` is row-parallel, then all-reduced;
+* MLP and every MoE expert: ``gate_proj`` / ``up_proj`` column-parallel, ``down_proj``
+  row-parallel; one all-reduce per MLP / MoE block (experts and shared expert summed first);
+* Qwen3-Next's gated DeltaNet by key-head groups (each with its value heads), so the conv
+  channels and the recurrent state of a rank are those of its heads;
+* the embedding, the LM head, the norms and the MoE router are replicated: logits are whole on
+  every rank, and only rank 0 samples (it sends the sampled ids to the others, which need them
+  for the next decode's input).
+
+A parameter learns its slice of the checkpoint tensor from ``shard_rows`` / ``shard_cols``: the
+loader reads exactly that slice from the safetensors file (``Shard``), so no rank materialises the
+whole model.
+
+Two process groups: ``ctrl`` carries the steps from rank 0 (a follower may wait on it for as long
+as the server idles, so its timeout is long: the followers are rank 0's children and die with it)
+and ``compute`` carries the collectives inside a step, bounded by ``timeout_s``: a rank that dies
+or hangs mid-step makes the others fail within it, never hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+IDLE_TIMEOUT = datetime.timedelta(days=365)  # the ctrl group: steps may be hours apart
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """The part of a checkpoint tensor a rank holds: ``pieces`` (start, stop) along ``dim``,
+    concatenated in order (several pieces when a fused tensor's parts are sharded each)."""
+
+    dim: int
+    pieces: tuple[tuple[int, int], ...]
+
+    def take(self, full_shape: tuple[int, ...], read: object) -> torch.Tensor:
+        """The rank's slice from ``read`` (a safetensors slice or a tensor), indexed per piece."""
+        parts = []
+        for a, b in self.pieces:
+            index = tuple(slice(a, b) if d == self.dim else slice(None) for d in range(len(full_shape)))
+            parts.append(read[index])  # type: ignore[index]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
+
+    @property
+    def length(self) -> int:
+        return sum(b - a for a, b in self.pieces)
+
+
+class Tp:
+    """A rank's view of its tensor-parallel group. ``Tp.single()`` is the one-device case: every
+    collective is a no-op and every shard is the whole tensor."""
+
+    def __init__(self, rank: int, size: int, compute: object = None, ctrl: object = None) -> None:
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"tensor parallel: need 0 <= rank < size, got rank {rank} of {size}")
+        self.rank, self.size = rank, size
+        self._compute, self._ctrl = compute, ctrl
+        self.reduced_bytes = 0  # bytes all-reduced so far (per rank), for the benchmark
+
+    @classmethod
+    def single(cls) -> Tp:
+        return cls(0, 1)
+
+    @classmethod
+    def join(cls, init_method: str, rank: int, size: int, timeout_s: float) -> Tp:
+        """Join (or create, on rank 0) the gloo process group at ``init_method`` (``tcp://host:port``);
+        returns once all ``size`` ranks are in, or raises after ``timeout_s``."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=timeout)
+        ctrl = dist.new_group(list(range(size)), timeout=IDLE_TIMEOUT, backend="gloo")
+        return cls(rank, size, dist.group.WORLD, ctrl)
+
+    def close(self) -> None:
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- sharding --------------------------------------------------------------------------------
+
+    def split(self, n: int, what: str) -> tuple[int, int]:
+        """This rank's ``(start, count)`` of ``n`` units split evenly; ``ValueError`` naming ``what``."""
+        if n % self.size:
+            raise ValueError(f"tensor parallel size {self.size} does not divide {what} ({n})")
+        per = n // self.size
+        return self.rank * per, per
+
+    def kv_heads(self, num_kv_heads: int, num_heads: int) -> tuple[int, int]:
+        """``(first, count)`` of the KV heads this rank's query heads read: split when there are at
+        least as many KV heads as ranks, else one head replicated on ``size / num_kv_heads`` ranks."""
+        self.split(num_heads, "num_attention_heads")
+        if num_kv_heads >= self.size:
+            return self.split(num_kv_heads, "num_key_value_heads")
+        if self.size % num_kv_heads:
+            raise ValueError(
+                f"tensor parallel size {self.size} is not a multiple of num_key_value_heads ({num_kv_heads})"
+            )
+        return self.rank * num_kv_heads // self.size, 1
+
+    # -- collectives -----------------------------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place; returns it (a no-op on one rank)."""
+        if self.size > 1:
+            self.reduced_bytes += x.numel() * x.element_size()
+            dist.all_reduce(x, group=self._compute)  # type: ignore[arg-type]
+        return x
+
+    def agree_min(self, values: list[int]) -> list[int]:
+        """The element-wise minimum of ``values`` over the ranks (same length on every rank)."""
+        if self.size == 1 or not values:
+            return values
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._compute)  # type: ignore[arg-type]
+        return [int(v) for v in t.tolist()]
+
+    def share_ints(self, values: list[int] | None, n: int) -> list[int] | None:
+        """Rank 0 sends ``values`` (``n`` ints, or None for "the step failed"); every rank gets them."""
+        t = torch.zeros(n + 1, dtype=torch.int64)
+        if self.rank == 0:
+            if values is None:
+                t[0] = 1
+            else:
+                t[1:] = torch.tensor(values, dtype=torch.int64)
+        if self.size > 1:
+            dist.broadcast(t, 0, group=self._compute)  # type: ignore[arg-type]
+        return None if int(t[0]) else [int(v) for v in t[1:].tolist()]
+
+    def send_bytes(self, data: bytes) -> None:
+        """Rank 0: send one message (a serialized step; empty = stop) to the followers."""
+        n = torch.tensor([len(data)], dtype=torch.int64)
+        dist.broadcast(n, 0, group=self._ctrl)  # type: ignore[arg-type]
+        if data:
+            dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, group=self._ctrl)  # type: ignore[arg-type]
+
+    def recv_bytes(self) -> bytes:
+        """A follower: wait for rank 0's next message (empty = stop)."""
+        n = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(n, 0, group=self._ctrl)  # type: ignore[arg-type]
+        if not int(n):
+            return b""
+        buf = torch.empty(int(n), dtype=torch.uint8)
+        dist.broadcast(buf, 0, group=self._ctrl)  # type: ignore[arg-type]
+        return buf.numpy().tobytes()
+
+
+SINGLE = Tp.single()
+
+
+def shard_rows(param: torch.Tensor, *pieces: tuple[int, int]) -> torch.Tensor:
+    """Mark ``param`` as holding rows ``pieces`` (start, stop) of the checkpoint tensor."""
+    param.tp_shard = Shard(0, tuple(pieces))  # type: ignore[attr-defined]
+    return param
+
+
+def shard_cols(param: torch.Tensor, *pieces: tuple[int, int]) -> torch.Tensor:
+    """Mark ``param`` as holding columns ``pieces`` of the checkpoint tensor."""
+    param.tp_shard = Shard(1, tuple(pieces))  # type: ignore[attr-defined]
+    return param
+
+
+def column_linear(
+    in_features: int, out_features: int, tp: Tp, bias: bool = False, pieces: tuple[tuple[int, int], ...] = ()
+) -> nn.Linear:
+    """A ``Linear`` holding output rows ``pieces`` (default: this rank's even split of
+    ``out_features``); its output is this rank's part, not reduced."""
+    if not pieces:
+        start, per = tp.split(out_features, "a column-parallel projection's outputs")
+        pieces = ((start, start + per),)
+    rows = sum(b - a for a, b in pieces)
+    layer = nn.Linear(in_features, rows, bias=bias)
+    if tp.size > 1:
+        shard_rows(layer.weight, *pieces)
+        if layer.bias is not None:
+            shard_rows(layer.bias, *pieces)
+    return layer
+
+
+class RowLinear(nn.Linear):
+    """A ``Linear`` holding input columns ``[r*in/n, (r+1)*in/n)``: ``forward`` returns this rank's
+    partial sum (the bias is added by rank 0 only), for the caller to all-reduce once per block."""
+
+    def __init__(self, in_features: int, out_features: int, tp: Tp, bias: bool = False) -> None:
+        start, per = tp.split(in_features, "a row-parallel projection's inputs")
+        super().__init__(per, out_features, bias=bias)
+        self.tp_rank = tp.rank
+        if tp.size > 1:
+            shard_cols(self.weight, (start, start + per))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tp_rank == 0 else None
+        return F.linear(x, self.weight, bias)

@@ -1,0 +1,121 @@
+"""A tensor-parallel worker group: rank 0 starts the other ranks, and they follow its steps.
+
+``strata serve worker --tp N`` is rank 0: it serves ``Step`` / ``GetInfo``, registers in etcd,
+and starts ranks ``1..N-1`` as child processes (the same command with ``--tp-rank r
+--tp-init tcp://…``; each dies with its parent). All ranks join one gloo process group and build
+their shard of the model and pools (``services.worker.tp``). For every step, rank 0 sends the
+serialized ``StepRequest`` to the followers (``Tp.send_bytes``), then all ranks run it: the same
+ops on their own shards, the same forward with its all-reduces; rank 0 samples and shares the ids.
+
+Failure is loud and bounded: rank 0 watches its children and, when one exits, logs which rank
+died and with what code, leaves etcd and exits (status 1); collectives inside a step time out
+after ``tp_timeout_s``; a follower whose parent is gone gets SIGTERM from Linux and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+
+from services.common import config as config_mod
+from services.common import step_codec
+from services.common.etcd_proc import die_with_parent, free_port
+from services.common.step import StepError
+from services.worker.config import WorkerConfig
+from services.worker.engine import Engine
+from services.worker.tp import Tp
+from strata.worker.v1 import worker_pb2 as wpb
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.2
+
+
+class Followers:
+    """Rank 0's children: ranks ``1..size-1``."""
+
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        for rank in range(1, cfg.tp):
+            child = replace(cfg, tp_rank=rank, tp_init=self.init_method, port=0, metrics_port=-1)
+            cmd = [sys.executable, "-m", "services.worker.server", *config_mod.to_args(child)]
+            self.procs[rank] = subprocess.Popen(cmd, preexec_fn=die_with_parent)  # inherits stdout/stderr
+            log.info("tensor parallel: started rank %d of %d (pid %d)", rank, cfg.tp, self.procs[rank].pid)
+
+    async def first_death(self) -> tuple[int, int]:
+        """Wait until a rank exits; returns (rank, exit code)."""
+        while True:
+            for rank, p in self.procs.items():
+                code = p.poll()
+                if code is not None:
+                    return rank, code
+            await asyncio.sleep(POLL_S)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def join(cfg: WorkerConfig, init_method: str) -> Tp:
+    """Join the group (blocking; on the engine's thread)."""
+    return Tp.join(init_method, cfg.tp_rank, cfg.tp, cfg.tp_timeout_s)
+
+
+def describe_death(rank: int, code: int) -> str:
+    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+    return f"tensor-parallel rank {rank} {how}; the worker group stops"
+
+
+def follow(engine: Engine) -> None:
+    """A follower's life: run every step rank 0 sends until it sends the stop message.
+
+    A step refused by validation is refused on every rank alike (the checks are deterministic), so
+    the follower goes on; any other error means the group is out of step: it exits, and rank 0,
+    seeing it die, takes the group down."""
+    tp = engine.tp
+    while True:
+        data = tp.recv_bytes()
+        if not data:
+            log.info("tensor parallel rank %d: stop", tp.rank)
+            return
+        msg = wpb.StepRequest.FromString(data)
+        step = step_codec.step_from_pb(msg)
+        try:
+            engine.step(step, None)
+        except StepError as e:
+            log.info("tensor parallel rank %d: step %d refused on every rank: %s", tp.rank, step.step_id, e)
+
+
+async def serve_follower(cfg: WorkerConfig, stop: asyncio.Event, make_engine: Callable[[Tp], Engine]) -> None:
+    """Rank ``cfg.tp_rank``: join, build the shard, follow rank 0 until it stops (or dies)."""
+    loop = asyncio.get_running_loop()
+
+    def run() -> None:
+        tp = join(cfg, cfg.tp_init)
+        engine = make_engine(tp)
+        follow(engine)
+
+    task: asyncio.Future[None] = loop.run_in_executor(None, run)
+    stopped = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait([task, stopped], return_when=asyncio.FIRST_COMPLETED)  # type: ignore[type-var]
+    if task in done:
+        err = task.exception()
+        if err is None:
+            os._exit(0)
+        log.error("tensor parallel rank %d failed: %r", cfg.tp_rank, err, exc_info=err)
+        os._exit(1)
+    # Stopped by a signal (rank 0 gone): the thread may sit in a collective; leave at once.
+    log.info("tensor parallel rank %d: stopping", cfg.tp_rank)
+    os._exit(0)

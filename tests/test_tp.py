@@ -1,0 +1,82 @@
+"""Tensor parallelism on the CPU (gloo): every rank of a real process group runs the same steps.
+
+Rank 0's logits must match transformers within 1e-4 on every cache path (cold, decode, chunked,
+prefix hit, host-reloaded, L3-reloaded) and its greedy output must equal ``generate``; each rank
+holds only its shard (fewer KV heads, its own L3 keys); a wrong TP size is refused naming the
+config key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.common.page_hash import rank_key
+from services.worker.tp import Tp
+from tests.reference import hf_greedy, hf_model
+from tests.tp_harness import DEC, P, PAGE, Q, S1, S2, S3, paths_scenario, run_group
+
+TOL = 1e-4
+
+
+def reference(model_dir: Path, *pieces: list[int]) -> torch.Tensor:
+    """transformers' logits of the last piece, given the ones before it."""
+    ids = [t for p in pieces for t in p]
+    with torch.no_grad():
+        logits = hf_model(str(model_dir))(torch.tensor([ids])).logits[0].float()
+    return logits[len(ids) - len(pieces[-1]) :]
+
+
+def check_paths(model_dir: Path, out: dict[str, torch.Tensor]) -> None:
+    expected = {
+        "cold": reference(model_dir, P),
+        "decode": reference(model_dir, P, DEC),
+        "chunked": reference(model_dir, Q),
+        "prefix_hit": reference(model_dir, P[:PAGE], S1),
+        "host_reloaded": reference(model_dir, P[:PAGE], S2),
+        "l3_reloaded": reference(model_dir, P[:PAGE], S3),
+    }
+    for path, ref in expected.items():
+        diff = float((out[path] - ref).abs().max())
+        assert diff < TOL, f"{path}: max |logit diff| {diff:.2e} vs transformers"
+    assert out["greedy"] == hf_greedy(model_dir, P, 12, stop_at_eos=False)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_dense_every_path_matches_transformers(tiny_qwen3: Path, size: int) -> None:
+    ranks = run_group(size, paths_scenario, str(tiny_qwen3))
+    check_paths(tiny_qwen3, ranks[0])
+    one = hf_model(str(tiny_qwen3)).config
+    for r, out in enumerate(ranks):
+        info = out["info"]
+        assert info.tp_size == size and info.kv_layout.endswith(f"/tp0of{size}")
+        # 2 KV heads: split over 2 ranks, replicated (1 each) over 4
+        assert f"/H{max(one.num_key_value_heads // size, 1)}/" in info.kv_layout
+        assert out["get_jobs"] == [(True, 1)], f"rank {r} did not read its page back"
+    # ranks write their shards under their own keys, never another rank's
+    keys = [set(out["l3_keys"]) for out in ranks]
+    assert keys[0] == {bytes(range(32))}
+    assert keys[1] == {rank_key(bytes(range(32)), 1, size)}
+    assert all(not (keys[i] & keys[j]) for i in range(size) for j in range(i + 1, size))
+    # one all-reduce per attention block and one per MLP block, of a hidden vector per token
+    assert ranks[0]["reduced_bytes"] > 0
+
+
+def test_hybrid_every_path_matches_transformers(tiny_qwen3_next: Path) -> None:
+    ranks = run_group(2, paths_scenario, str(tiny_qwen3_next))
+    check_paths(tiny_qwen3_next, ranks[0])
+    for out in ranks:
+        assert out["info"].state_layout.endswith("/tp0of2")
+        assert out["get_jobs"] == [(True, 1), (True, 1)]  # the page and the state
+
+
+def test_shards_must_divide() -> None:
+    tp = Tp(1, 3)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        tp.kv_heads(2, 4)
+    with pytest.raises(ValueError, match="does not divide"):
+        tp.split(128, "intermediate_size")
+    assert Tp(3, 4).kv_heads(2, 4) == (1, 1)  # replicated: ranks 2 and 3 hold KV head 1
+    assert Tp(1, 2).kv_heads(4, 8) == (2, 2)
