@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import asyncio
 import logging
 import os
@@ -145,6 +146,9 @@ def run_service(
     except config.ConfigError as e:
         parser.error(str(e))
     for key in ("model", "tokenizer"):  # the model directory a service loads (scheduler: --tokenizer)
+        spec = next((f for f in dataclasses.fields(cfg) if f.name == key), None)  # type: ignore[arg-type]
+        if spec is None or "directory" not in spec.metadata.get("help", ""):
+            continue  # e.g. the scheduler's --model, a model name
         value = getattr(cfg, key, "")
         problem = config.model_dir_problem(value) if isinstance(value, str) and value else None
         if problem:

@@ -172,6 +172,7 @@ def engine_config(cfg: WorkerConfig) -> EngineConfig:
 
 
 async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
+    followers = tp_group.Followers(cfg) if cfg.tp > 1 and not cfg.tp_rank else None  # before any thread
     port_l3 = KVStorePort(cfg.etcd) if cfg.l3 else None
     if port_l3 is not None:
         await port_l3.start()
@@ -179,7 +180,6 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
         await tp_group.serve_follower(cfg, stop, lambda tp: Engine(Path(cfg.model), engine_config(cfg), port_l3, tp))
         return
     telemetry.setup_tracing("worker", cfg.trace_exporter, cfg.trace_target.replace("{service}", "worker"))
-    followers = tp_group.Followers(cfg) if cfg.tp > 1 else None
     thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
     loop = asyncio.get_running_loop()
     try:

@@ -45,7 +45,9 @@ class Followers:
         for rank in range(1, cfg.tp):
             child = replace(cfg, tp_rank=rank, tp_init=self.init_method, port=0, metrics_port=-1)
             cmd = [sys.executable, "-m", "services.worker.server", *config_mod.to_args(child)]
-            self.procs[rank] = subprocess.Popen(cmd, preexec_fn=die_with_parent)  # inherits stdout/stderr
+            # No preexec_fn: other threads may hold locks (gRPC's), and code between fork and exec
+            # could deadlock on them; the follower asks for its parent-death signal itself.
+            self.procs[rank] = subprocess.Popen(cmd)  # inherits stdout/stderr
             log.info("tensor parallel: started rank %d of %d (pid %d)", rank, cfg.tp, self.procs[rank].pid)
 
     async def first_death(self) -> tuple[int, int]:
@@ -100,6 +102,9 @@ def follow(engine: Engine) -> None:
 
 async def serve_follower(cfg: WorkerConfig, stop: asyncio.Event, make_engine: Callable[[Tp], Engine]) -> None:
     """Rank ``cfg.tp_rank``: join, build the shard, follow rank 0 until it stops (or dies)."""
+    die_with_parent()
+    if os.getppid() == 1:  # rank 0 died before we asked
+        os._exit(1)
     loop = asyncio.get_running_loop()
 
     def run() -> None:

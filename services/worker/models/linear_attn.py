@@ -28,6 +28,7 @@ from torch import nn
 
 from kernels.conv1d import causal_conv1d_extend, causal_conv1d_update
 from kernels.gated_delta import gated_delta_extend, gated_delta_step
+from services.worker.tp import SINGLE, RowLinear, Tp, column_linear, shard_rows
 
 
 
@@ -78,7 +79,11 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class GatedDeltaNet(nn.Module):
-    """One linear-attention token mixer; ``forward`` reads and updates Mamba slots in place."""
+    """One linear-attention token mixer; ``forward`` reads and updates Mamba slots in place.
+
+    Tensor parallel: by key heads, each with its ``Hv / Hk`` value heads (the checkpoint groups
+    the projections that way): a rank's conv channels, recurrent state, ``dt_bias`` / ``A_log``
+    are those of its heads; ``out_proj`` is row-parallel, all-reduced."""
 
     def __init__(
         self,
@@ -89,6 +94,7 @@ class GatedDeltaNet(nn.Module):
         head_v_dim: int,
         conv_kernel: int,
         eps: float,
+        tp: Tp = SINGLE,
     ) -> None:
         super().__init__()
         if num_v_heads % num_k_heads:
@@ -96,18 +102,35 @@ class GatedDeltaNet(nn.Module):
                 f"linear_num_value_heads={num_v_heads} must be a multiple of "
                 f"linear_num_key_heads={num_k_heads}"
             )
-        self.hk, self.hv, self.dk, self.dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+        r = num_v_heads // num_k_heads
+        k0, hk = tp.split(num_k_heads, "linear_num_key_heads")
+        v0, hv = k0 * r, hk * r
+        self.tp = tp
+        self.hk, self.hv, self.dk, self.dv = hk, hv, head_k_dim, head_v_dim  # this rank's heads
         self.kernel = conv_kernel
-        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.key_dim, self.value_dim = hk * head_k_dim, hv * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
+        group = 2 * head_k_dim + 2 * r * head_v_dim  # one key head's rows of in_proj_qkvz
+        self.in_proj_qkvz = column_linear(
+            hidden_size, num_k_heads * group, tp, pieces=((k0 * group, (k0 + hk) * group),)
+        )
+        self.in_proj_ba = column_linear(hidden_size, 2 * num_v_heads, tp, pieces=((2 * v0, 2 * (v0 + hv)),))
         # nn.Conv1d only to keep the checkpoint's parameter name and [C, 1, K] shape.
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
-        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
-        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        self.dt_bias = nn.Parameter(torch.ones(hv))
+        self.A_log = nn.Parameter(torch.zeros(hv))
+        if tp.size > 1:  # the conv's channels are [q | k | v] of all heads: three pieces per rank
+            full_k = num_k_heads * head_k_dim
+            shard_rows(
+                self.conv1d.weight,
+                (k0 * head_k_dim, (k0 + hk) * head_k_dim),
+                (full_k + k0 * head_k_dim, full_k + (k0 + hk) * head_k_dim),
+                (2 * full_k + v0 * head_v_dim, 2 * full_k + (v0 + hv) * head_v_dim),
+            )
+            shard_rows(self.dt_bias, (v0, v0 + hv))
+            shard_rows(self.A_log, (v0, v0 + hv))
         self.norm = GatedRMSNorm(head_v_dim, eps)
-        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.out_proj = RowLinear(num_v_heads * head_v_dim, hidden_size, tp)
 
     @property
     def conv_state_shape(self) -> tuple[int, int]:
@@ -182,4 +205,4 @@ class GatedDeltaNet(nn.Module):
             core[s] = gated_delta_extend(q_ext, k[s], v[s], g[s], beta[s], ssm_state, slots[i])
 
         out = self.norm(core.to(x.dtype), z)
-        return self.out_proj(out.reshape(t, self.value_dim))
+        return self.tp.all_reduce(self.out_proj(out.reshape(t, self.value_dim)))

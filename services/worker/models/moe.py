@@ -10,25 +10,18 @@ names match the Hugging Face checkpoint (``mlp.gate``, ``mlp.experts.{e}.*``,
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-
-class SwiGLU(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with the checkpoint's ``gate_proj/up_proj/down_proj`` names."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+from services.worker.models.layers import SwiGLU
+from services.worker.tp import SINGLE, Tp
 
 
 class SparseMoe(nn.Module):
-    """Top-k routed experts plus one always-on shared expert; ``forward`` maps ``[T, H] -> [T, H]``."""
+    """Top-k routed experts plus one always-on shared expert; ``forward`` maps ``[T, H] -> [T, H]``.
+
+    Tensor parallel: every expert (and the shared one) split by its intermediate size; the router
+    and the shared expert's gate are replicated, so each rank routes alike, sums its partial
+    outputs, and one all-reduce per block completes them."""
 
     def __init__(
         self,
@@ -38,16 +31,18 @@ class SparseMoe(nn.Module):
         expert_intermediate_size: int,
         shared_intermediate_size: int,
         norm_topk_prob: bool,
+        tp: Tp = SINGLE,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.tp = tp
         self.experts = nn.ModuleList(
-            SwiGLU(hidden_size, expert_intermediate_size) for _ in range(num_experts)
+            SwiGLU(hidden_size, expert_intermediate_size, tp=tp) for _ in range(num_experts)
         )
-        self.shared_expert = SwiGLU(hidden_size, shared_intermediate_size)
+        self.shared_expert = SwiGLU(hidden_size, shared_intermediate_size, tp=tp)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,7 +57,7 @@ class SparseMoe(nn.Module):
         # Loop over the experts that received tokens (not over tokens): few large matmuls.
         for e in torch.unique(chosen).tolist():
             tok, which = torch.where(chosen == e)
-            y = self.experts[e](x[tok]) * weights[tok, which, None]
+            y = self.experts[e](x[tok], reduce=False) * weights[tok, which, None]
             out.index_add_(0, tok, y)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out + shared
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, reduce=False)
+        return self.tp.all_reduce(out + shared)

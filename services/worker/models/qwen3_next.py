@@ -18,9 +18,11 @@ from torch import nn
 
 from services.worker.batch import ForwardBatch, ForwardContext
 from services.worker.mamba_pool import MambaSpec
+from services.worker.models.layers import SwiGLU
 from services.worker.models.linear_attn import GatedDeltaNet, StateSpans
-from services.worker.models.moe import SparseMoe, SwiGLU
+from services.worker.models.moe import SparseMoe
 from services.worker.models.qwen3_next_layers import GatedAttention, PartialRotary, ZeroCentredRMSNorm
+from services.worker.tp import SINGLE, Tp
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -95,7 +97,7 @@ class Qwen3NextArgs:
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: token mixer (linear or full attention), then MoE / MLP."""
 
-    def __init__(self, a: Qwen3NextArgs, index: int, state_layer: int) -> None:
+    def __init__(self, a: Qwen3NextArgs, index: int, state_layer: int, tp: Tp = SINGLE) -> None:
         super().__init__()
         self.is_linear = a.layer_types[index] == LINEAR
         self.state_layer = state_layer  # Mamba-pool layer if linear, else KV-pool layer
@@ -110,6 +112,7 @@ class DecoderLayer(nn.Module):
                 a.linear_value_head_dim,
                 a.linear_conv_kernel_dim,
                 a.rms_norm_eps,
+                tp,
             )
         else:
             self.self_attn = GatedAttention(
@@ -120,6 +123,7 @@ class DecoderLayer(nn.Module):
                 a.attention_bias,
                 a.rms_norm_eps,
                 state_layer,
+                tp,
             )
         sparse = (
             index not in a.mlp_only_layers and a.num_experts > 0 and (index + 1) % a.decoder_sparse_step == 0
@@ -132,9 +136,10 @@ class DecoderLayer(nn.Module):
                 a.moe_intermediate_size,
                 a.shared_expert_intermediate_size,
                 a.norm_topk_prob,
+                tp,
             )
             if sparse
-            else SwiGLU(a.hidden_size, a.intermediate_size)
+            else SwiGLU(a.hidden_size, a.intermediate_size, tp=tp)
         )
         self.input_layernorm = ZeroCentredRMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = ZeroCentredRMSNorm(a.hidden_size, a.rms_norm_eps)
@@ -163,12 +168,12 @@ class DecoderLayer(nn.Module):
 class Qwen3NextModel(nn.Module):
     """Embedding, decoder layers and final norm (the checkpoint's ``model.*`` prefix)."""
 
-    def __init__(self, a: Qwen3NextArgs) -> None:
+    def __init__(self, a: Qwen3NextArgs, tp: Tp = SINGLE) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
         layers, n_lin, n_full = [], 0, 0
         for i, kind in enumerate(a.layer_types):
-            layers.append(DecoderLayer(a, i, n_lin if kind == LINEAR else n_full))
+            layers.append(DecoderLayer(a, i, n_lin if kind == LINEAR else n_full, tp))
             n_lin, n_full = (n_lin + 1, n_full) if kind == LINEAR else (n_lin, n_full + 1)
         self.layers = nn.ModuleList(layers)
         self.num_linear_layers, self.num_full_layers = n_lin, n_full
@@ -184,18 +189,18 @@ class Qwen3NextForCausalLM(nn.Module):
     copy of a cached state for a prefix hit), and returns logits ``[len(logit_index), vocab]``.
     """
 
-    def __init__(self, hf_config: dict[str, Any]) -> None:
+    def __init__(self, hf_config: dict[str, Any], tp: Tp = SINGLE) -> None:
         super().__init__()
         a = Qwen3NextArgs.from_hf(hf_config)
         self.args = a
-        self.model = Qwen3NextModel(a)
+        self.model = Qwen3NextModel(a, tp)
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         if a.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = PartialRotary(a.head_dim, a.partial_rotary_factor, a.rope_theta)
         self.vocab_size = a.vocab_size
         self.num_kv_layers = self.model.num_full_layers
-        self.num_kv_heads = a.num_key_value_heads
+        self.num_kv_heads = tp.kv_heads(a.num_key_value_heads, a.num_attention_heads)[1]
         self.head_dim = a.head_dim
 
     def _decoder_layers(self) -> list[DecoderLayer]:

@@ -18,6 +18,7 @@ from torch import nn
 
 from services.worker.batch import ForwardBatch, ForwardContext
 from services.worker.models.layers import slot_attention
+from services.worker.tp import SINGLE, RowLinear, Tp, column_linear
 
 
 class ZeroCentredRMSNorm(nn.Module):
@@ -89,18 +90,24 @@ class GatedAttention(nn.Module):
         bias: bool,
         eps: float,
         kv_layer: int,
+        tp: Tp = SINGLE,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_attention_heads={num_heads} must be a multiple of num_key_value_heads={num_kv_heads}"
             )
+        kv0, hkv = tp.kv_heads(num_kv_heads, num_heads)
+        kv_rows = ((kv0 * head_dim, (kv0 + hkv) * head_dim),)
+        self.tp = tp
         self.kv_layer = kv_layer
-        self.hq, self.hkv, self.d = num_heads, num_kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim * 2, bias=bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.hq, self.hkv, self.d = num_heads // tp.size, hkv, head_dim  # this rank's heads
+        # Tensor parallel: by heads (q_proj's rows are [query | gate] per head, so an even split
+        # keeps each head's pair together); o_proj row-parallel, all-reduced.
+        self.q_proj = column_linear(hidden_size, num_heads * head_dim * 2, tp, bias)
+        self.k_proj = column_linear(hidden_size, num_kv_heads * head_dim, tp, bias, kv_rows)
+        self.v_proj = column_linear(hidden_size, num_kv_heads * head_dim, tp, bias, kv_rows)
+        self.o_proj = RowLinear(num_heads * head_dim, hidden_size, tp, bias)
         self.q_norm = ZeroCentredRMSNorm(head_dim, eps)
         self.k_norm = ZeroCentredRMSNorm(head_dim, eps)
 
@@ -116,4 +123,4 @@ class GatedAttention(nn.Module):
         q, k = rotary(batch.positions, q, k)
         o = slot_attention(q, k, v, self.kv_layer, batch, ctx, self.d**-0.5)
         o = o.to(x.dtype).reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
-        return self.o_proj(o)
+        return self.tp.all_reduce(self.o_proj(o))
