@@ -16,7 +16,7 @@ import torch
 from services.common.page_hash import rank_key
 from services.worker.tp import Tp
 from tests.reference import hf_greedy, hf_model
-from tests.tp_harness import DEC, P, PAGE, Q, S1, S2, S3, paths_scenario, run_group
+from tests.tp_harness import DEC, PAGE, S1, S2, S3, P, Q, paths_scenario, run_group
 
 TOL = 1e-4
 
