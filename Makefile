@@ -13,7 +13,7 @@ PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := strata/.generated
 PORT ?= 50051
 
-.PHONY: fuzz native bench-attention run test test-all soak bench bench-servers bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas soak-hicache lint protos install system-deps models clean
+.PHONY: fuzz native bench-attention run test test-all soak bench bench-servers bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas bench-tp soak-hicache lint protos install system-deps models clean
 
 run: install models
 	$(BIN)/strata up --model $(TINY) --port $(PORT)
@@ -91,6 +91,11 @@ bench-hicache-hybrid: install $(BENCH_NEXT)/config.json
 # 4 replicas: kv vs round_robin vs least_load routing (and round_robin + shared L3) on multi-turn and shared-prefix traces, plus router cost (~8 min on 2 cores); writes docs/bench/replicas.json.
 bench-replicas: install $(BENCH_MODEL)/config.json
 	$(BIN)/python -m services.bench.replicas --model $(BENCH_MODEL) --run-dir .runs/bench-replicas
+
+# Tensor parallelism: step time TP 1 vs TP 2 (gloo, 2 cores) and bytes all-reduced per decode
+# token (~2 min); writes docs/bench/tp.json and prints the table of docs/benchmarks.md.
+bench-tp: install $(BENCH_MODEL)/config.json
+	$(BIN)/python -m services.bench.tp --model $(BENCH_MODEL) --repeats 5
 
 lint: install
 	$(BIN)/ruff check services kernels tests

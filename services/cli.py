@@ -43,7 +43,7 @@ def _stack_args(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
     worker = given(
         ("--device", args.device), ("--dtype", args.dtype), ("--page-size", args.page_size),
         ("--kv-cache-bytes", args.kv_cache_bytes), ("--kv-mem-fraction", args.kv_mem_fraction),
-        ("--max-context", args.context_length), ("--max-rows", args.max_running),
+        ("--max-context", args.context_length), ("--max-rows", args.max_running), ("--tp", args.tp),
     )
     if args.host_cache_bytes not in ("0", 0):  # the hierarchical cache: host pool (L2) and kvstore (L3)
         worker += ("--host-cache-bytes", str(args.host_cache_bytes), "--l3", "true")
@@ -68,6 +68,9 @@ def _up(args: argparse.Namespace) -> int:
         return 2
     if args.replicas < 1:
         print(f"strata up: --replicas must be at least 1, got {args.replicas}", file=sys.stderr)
+        return 2
+    if args.tp is not None and args.tp < 1:
+        print(f"strata up: --tp must be at least 1, got {args.tp}", file=sys.stderr)
         return 2
     run_dir = Path(args.run_dir or f".runs/{time.strftime('%Y%m%d-%H%M%S')}")
     args.run_dir_path = str(run_dir)
@@ -193,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="worker + scheduler pairs behind the one tokenizer (each on --device)")
     up.add_argument("--router-policy", default="", choices=["", "kv", "round_robin", "least_load"],
                     help="how the tokenizer picks a replica (default kv: where the prompt is cached, weighed by load)")
+    up.add_argument("--tp", type=int, default=None,
+                    help="tensor-parallel ranks per worker (the worker starts them; gloo on the CPU)")
     up.add_argument("--device", default="", help="worker device: cpu or cuda:N (default cpu)")
     up.add_argument("--dtype", default="", choices=["", "float32", "bfloat16", "float16"], help="weights and KV")
     up.add_argument("--page-size", type=int, default=None, help="tokens per KV page")
