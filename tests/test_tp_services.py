@@ -12,6 +12,7 @@ and tokenizer processes talking gRPC.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -224,5 +225,33 @@ def test_killing_one_rank_stops_the_group_loudly(tiny_qwen3: Path, tmp_path: Pat
         said: list[str] = []
         assert supervise(stack, say=said.append) == 1
         assert "tensor-parallel rank 1 was killed by signal 9" in "\n".join(said)
+    finally:
+        stack.stop()
+
+
+def test_a_hung_rank_times_out_and_stops_the_group(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """A rank that stops answering (SIGSTOP) mid-service: rank 0's next collective times out after
+    --tp-timeout-s, the request fails (never hangs) and the group stops, saying why."""
+    stack = start_stack(
+        tiny_qwen3, free_port(), tmp_path, worker_args=("--tp", "2", "--threads", "1", "--tp-timeout-s", "3"),
+        scheduler_args=("--worker-wait-s", "2"), say=lambda _: None,
+    )  # fmt: skip
+    try:
+        worker = stack.child("worker")
+        assert worker.proc is not None
+        follower = _rank_pid(worker.log_path, 1)
+        with grpc.insecure_channel(stack.child("tokenizer").address) as ch:
+            api = pgrpc.StrataStub(ch)
+            assert len(generate(api, [5, 6, 7, 8], 4).ids) == 4
+            os.kill(follower, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                generate(api, [5, 6, 7], 2, timeout_s=60)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+            assert worker.proc.wait(30) == 1
+            assert time.monotonic() - t0 < 20
+        assert "a tensor-parallel step failed" in worker.log_path.read_text()
+        with contextlib.suppress(ProcessLookupError):  # rank 0 killed it on the way out
+            os.kill(follower, signal.SIGCONT)
     finally:
         stack.stop()

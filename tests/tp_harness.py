@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import multiprocessing as mp
+import pickle
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,7 +47,8 @@ def _rank_main(rank: int, size: int, init: str, fn: Callable[..., Any], args: tu
     torch.set_num_threads(1)
     try:
         tp = Tp.join(init, rank, size, timeout_s=120)
-        out.put((rank, "ok", fn(tp, *args)))
+        # Plain pickle: a queue would share tensors through file descriptors that die with this process.
+        out.put((rank, "ok", pickle.dumps(fn(tp, *args))))
         tp.close()
     except BaseException:  # report, so the test fails with the rank's traceback instead of hanging
         out.put((rank, "error", traceback.format_exc()))
@@ -65,7 +67,7 @@ def run_group(size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 
             rank, status, value = out.get(timeout=timeout_s)
             if status != "ok":
                 raise AssertionError(f"rank {rank} of {size} failed:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(10)

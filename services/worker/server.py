@@ -24,7 +24,7 @@ from services.worker.config import WorkerConfig
 from services.worker.engine import Engine, EngineConfig
 from services.worker.host_malloc import Trimmer, cap_arenas
 from services.worker.l3_port import KVStorePort
-from services.worker.tp import SINGLE
+from services.worker.tp import SINGLE, GroupBroken
 from strata.worker.v1 import worker_pb2 as wpb
 from strata.worker.v1 import worker_pb2_grpc as wgrpc
 
@@ -66,10 +66,16 @@ class WorkerServicer(wgrpc.WorkerServicer):
     """Executes steps in order on the engine, one stream (one scheduler) at a time."""
 
     def __init__(
-        self, engine: Engine, metrics: WorkerMetrics | None = None, thread: ThreadPoolExecutor | None = None
+        self,
+        engine: Engine,
+        metrics: WorkerMetrics | None = None,
+        thread: ThreadPoolExecutor | None = None,
+        group: tp_group.Followers | None = None,
     ) -> None:
-        """``thread``: where steps run (one thread: see ``host_malloc`` for why it is always the same)."""
+        """``thread``: where steps run (one thread: see ``host_malloc`` for why it is always the same);
+        ``group``: the other tensor-parallel ranks, told when a step breaks the group."""
         self.engine = engine
+        self.group = group
         self.metrics = metrics
         self.thread = thread or ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.trimmer = Trimmer()
@@ -134,9 +140,14 @@ class WorkerServicer(wgrpc.WorkerServicer):
     def _step(self, step: StepRequest, raw: bytes, wait_late_masks: Callable[[], LateMasks]) -> StepResult:
         """On the engine thread: the step (sent first to the other tensor-parallel ranks, ``raw``),
         then the free heap back to the kernel when due."""
-        if raw:
-            self.engine.tp.send_bytes(raw)
-        result = self.engine.step(step, wait_late_masks)
+        try:
+            if raw:
+                self.engine.tp.send_bytes(raw)
+            result = self.engine.step(step, wait_late_masks)
+        except GroupBroken as e:  # the ranks are out of step for good (other failures end the step on all)
+            if self.group is not None:
+                self.group.break_group(e)
+            raise
         self.trimmer.maybe()
         return result
 
@@ -198,7 +209,7 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
             await models.claim(name, info.fingerprint, {"architecture": info.architecture})
     server = Server(telemetry.server_interceptors())
     registry = CollectorRegistry()
-    servicer = WorkerServicer(engine, WorkerMetrics(registry), thread)
+    servicer = WorkerServicer(engine, WorkerMetrics(registry), thread, followers)
     server.add(wgrpc.add_WorkerServicer_to_server, servicer, "strata.worker.v1.Worker")
     port = await server.start(f"{cfg.host}:{cfg.port}")
     address = advertised_address(cfg.host, port, cfg.advertise_host)
@@ -225,11 +236,14 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
         info.tp_size,
     )
     print(f"READY worker {address}{metrics}", flush=True)
-    died = asyncio.ensure_future(followers.first_death()) if followers is not None else None
-    await asyncio.wait([asyncio.ensure_future(stop.wait()), *([died] if died else [])],
+    failed = asyncio.ensure_future(followers.failure()) if followers is not None else None
+    alive = (
+        asyncio.ensure_future(followers.keep_alive(tp, thread, cfg.tp_timeout_s / 3)) if followers is not None else None
+    )
+    await asyncio.wait([asyncio.ensure_future(stop.wait()), *([failed] if failed else [])],
                        return_when=asyncio.FIRST_COMPLETED)
-    if died is not None and died.done():  # a rank is gone: the group cannot serve; say which, loudly
-        message = tp_group.describe_death(*died.result())
+    if failed is not None and failed.done():  # the group cannot serve: say why, loudly
+        message = failed.result()
         log.error("%s", message)
         if registration is not None:
             await registration.stop()
@@ -240,8 +254,9 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
         await registration.stop()
     await server.stop()
     if followers is not None:
-        if died is not None:
-            died.cancel()
+        for task in (failed, alive):
+            if task is not None:
+                task.cancel()
         await loop.run_in_executor(thread, tp.send_bytes, b"")  # the followers' stop message
         followers.stop()
     if port_l3 is not None:

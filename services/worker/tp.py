@@ -17,17 +17,20 @@ A parameter learns its slice of the checkpoint tensor from ``shard_rows`` / ``sh
 loader reads exactly that slice from the safetensors file (``Shard``), so no rank materialises the
 whole model.
 
-Two process groups: ``ctrl`` carries the steps from rank 0 (a follower may wait on it for as long
-as the server idles, so its timeout is long: the followers are rank 0's children and die with it)
-and ``compute`` carries the collectives inside a step, bounded by ``timeout_s``: a rank that dies
-or hangs mid-step makes the others fail within it, never hang.
+One process group carries the steps from rank 0 and the collectives inside them, every call
+bounded by ``timeout_s``: a rank that dies or hangs makes the others fail within it
+(``GroupBroken``), never hang. A gloo broadcast waits for its receivers, so an idle rank 0 sends a
+heartbeat every third of the timeout (``send_heartbeat``): the followers' waits for the next step
+stay bounded too, and a follower that stops answering is noticed while idle.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,7 +39,18 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-IDLE_TIMEOUT = datetime.timedelta(days=365)  # the ctrl group: steps may be hours apart
+HEARTBEAT = -1  # a message length meaning "no step: still here"
+
+
+class GroupBroken(RuntimeError):
+    """A collective failed (a peer is gone, or it timed out): the ranks are out of step for good."""
+
+
+def _collective(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as e:  # gloo / NCCL errors (DistBackendError, timeouts) are RuntimeErrors
+        raise GroupBroken(f"tensor-parallel collective {fn.__name__} failed: {e}") from e
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,11 +78,12 @@ class Tp:
     """A rank's view of its tensor-parallel group. ``Tp.single()`` is the one-device case: every
     collective is a no-op and every shard is the whole tensor."""
 
-    def __init__(self, rank: int, size: int, compute: object = None, ctrl: object = None) -> None:
+    def __init__(self, rank: int, size: int, group: object = None) -> None:
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"tensor parallel: need 0 <= rank < size, got rank {rank} of {size}")
         self.rank, self.size = rank, size
-        self._compute, self._ctrl = compute, ctrl
+        self._group = group
+        self.last_sent = time.monotonic()  # rank 0: when it last sent the followers a message
         self.reduced_bytes = 0  # bytes all-reduced so far (per rank), for the benchmark
 
     @classmethod
@@ -81,8 +96,7 @@ class Tp:
         returns once all ``size`` ranks are in, or raises after ``timeout_s``."""
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=timeout)
-        ctrl = dist.new_group(list(range(size)), timeout=IDLE_TIMEOUT, backend="gloo")
-        return cls(rank, size, dist.group.WORLD, ctrl)
+        return cls(rank, size, dist.group.WORLD)
 
     def close(self) -> None:
         if self.size > 1 and dist.is_initialized():
@@ -115,7 +129,7 @@ class Tp:
         """Sum ``x`` over the ranks, in place; returns it (a no-op on one rank)."""
         if self.size > 1:
             self.reduced_bytes += x.numel() * x.element_size()
-            dist.all_reduce(x, group=self._compute)  # type: ignore[arg-type]
+            _collective(dist.all_reduce, x, group=self._group)
         return x
 
     def agree_min(self, values: list[int]) -> list[int]:
@@ -123,7 +137,7 @@ class Tp:
         if self.size == 1 or not values:
             return values
         t = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._compute)  # type: ignore[arg-type]
+        _collective(dist.all_reduce, t, op=dist.ReduceOp.MIN, group=self._group)
         return [int(v) for v in t.tolist()]
 
     def share_ints(self, values: list[int] | None, n: int) -> list[int] | None:
@@ -135,24 +149,33 @@ class Tp:
             else:
                 t[1:] = torch.tensor(values, dtype=torch.int64)
         if self.size > 1:
-            dist.broadcast(t, 0, group=self._compute)  # type: ignore[arg-type]
+            _collective(dist.broadcast, t, 0, group=self._group)
         return None if int(t[0]) else [int(v) for v in t[1:].tolist()]
 
     def send_bytes(self, data: bytes) -> None:
         """Rank 0: send one message (a serialized step; empty = stop) to the followers."""
-        n = torch.tensor([len(data)], dtype=torch.int64)
-        dist.broadcast(n, 0, group=self._ctrl)  # type: ignore[arg-type]
+        self._send_length(len(data))
         if data:
-            dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, group=self._ctrl)  # type: ignore[arg-type]
+            _collective(dist.broadcast, torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, group=self._group)
 
-    def recv_bytes(self) -> bytes:
-        """A follower: wait for rank 0's next message (empty = stop)."""
+    def send_heartbeat(self) -> None:
+        """Rank 0, idle: tell the followers it is alive (and learn that they are)."""
+        self._send_length(HEARTBEAT)
+
+    def _send_length(self, n: int) -> None:
+        _collective(dist.broadcast, torch.tensor([n], dtype=torch.int64), 0, group=self._group)
+        self.last_sent = time.monotonic()
+
+    def recv_bytes(self) -> bytes | None:
+        """A follower: wait for rank 0's next message (empty = stop, None = a heartbeat)."""
         n = torch.zeros(1, dtype=torch.int64)
-        dist.broadcast(n, 0, group=self._ctrl)  # type: ignore[arg-type]
+        _collective(dist.broadcast, n, 0, group=self._group)
+        if int(n) == HEARTBEAT:
+            return None
         if not int(n):
             return b""
         buf = torch.empty(int(n), dtype=torch.uint8)
-        dist.broadcast(buf, 0, group=self._ctrl)  # type: ignore[arg-type]
+        _collective(dist.broadcast, buf, 0, group=self._group)
         return buf.numpy().tobytes()
 
 

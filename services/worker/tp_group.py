@@ -6,10 +6,13 @@ and starts ranks ``1..N-1`` as child processes (the same command with ``--tp-ran
 their shard of the model and pools (``services.worker.tp``). For every step, rank 0 sends the
 serialized ``StepRequest`` to the followers (``Tp.send_bytes``), then all ranks run it: the same
 ops on their own shards, the same forward with its all-reduces; rank 0 samples and shares the ids.
+While idle, rank 0 sends heartbeats (``keep_alive``), so no rank waits unbounded.
 
 Failure is loud and bounded: rank 0 watches its children and, when one exits, logs which rank
 died and with what code, leaves etcd and exits (status 1); collectives inside a step time out
-after ``tp_timeout_s``; a follower whose parent is gone gets SIGTERM from Linux and exits.
+after ``tp_timeout_s``, and a step that fails on rank 0 other than by validation (a timeout, a
+lost peer) stops the group the same way; a follower whose parent is gone gets SIGTERM from Linux
+and exits.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import replace
 
 from services.common import config as config_mod
@@ -28,7 +33,7 @@ from services.common.etcd_proc import die_with_parent, free_port
 from services.common.step import StepError
 from services.worker.config import WorkerConfig
 from services.worker.engine import Engine
-from services.worker.tp import Tp
+from services.worker.tp import GroupBroken, Tp
 from strata.worker.v1 import worker_pb2 as wpb
 
 log = logging.getLogger(__name__)
@@ -42,6 +47,7 @@ class Followers:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.init_method = f"tcp://127.0.0.1:{free_port()}"
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.broken = ""
         for rank in range(1, cfg.tp):
             child = replace(cfg, tp_rank=rank, tp_init=self.init_method, port=0, metrics_port=-1)
             cmd = [sys.executable, "-m", "services.worker.server", *config_mod.to_args(child)]
@@ -50,14 +56,34 @@ class Followers:
             self.procs[rank] = subprocess.Popen(cmd)  # inherits stdout/stderr
             log.info("tensor parallel: started rank %d of %d (pid %d)", rank, cfg.tp, self.procs[rank].pid)
 
-    async def first_death(self) -> tuple[int, int]:
-        """Wait until a rank exits; returns (rank, exit code)."""
+    async def failure(self) -> str:
+        """Wait until the group can no longer serve: a rank exits, or a step failed mid-way on
+        rank 0 (``broken``: a collective timed out or lost a peer); returns what happened."""
         while True:
             for rank, p in self.procs.items():
                 code = p.poll()
                 if code is not None:
-                    return rank, code
+                    return describe_death(rank, code)
+            if self.broken:
+                return self.broken
             await asyncio.sleep(POLL_S)
+
+    async def keep_alive(self, tp: Tp, thread: Executor, period_s: float) -> None:
+        """While no step goes out, send the followers a heartbeat every ``period_s`` (on the
+        engine's thread, between steps), so that waits on either side stay within the timeout."""
+        loop = asyncio.get_running_loop()
+        while not self.broken:
+            await asyncio.sleep(max(period_s - (time.monotonic() - tp.last_sent), 0.0))
+            if time.monotonic() - tp.last_sent >= period_s:
+                try:
+                    await loop.run_in_executor(thread, tp.send_heartbeat)
+                except GroupBroken as e:
+                    self.break_group(e)
+
+    def break_group(self, error: BaseException) -> None:
+        """From the engine's thread: a step failed after the ranks started it together, so they
+        are out of step for good."""
+        self.broken = f"a tensor-parallel step failed ({error!r}); the worker group stops"
 
     def stop(self, timeout_s: float = 5.0) -> None:
         for p in self.procs.values():
@@ -89,6 +115,8 @@ def follow(engine: Engine) -> None:
     tp = engine.tp
     while True:
         data = tp.recv_bytes()
+        if data is None:  # a heartbeat
+            continue
         if not data:
             log.info("tensor parallel rank %d: stop", tp.rank)
             return
