@@ -64,11 +64,13 @@ def test_dense_every_path_matches_transformers(tiny_qwen3: Path, size: int) -> N
     assert ranks[0]["reduced_bytes"] > 0
 
 
-def test_hybrid_every_path_matches_transformers(tiny_qwen3_next: Path) -> None:
-    ranks = run_group(2, paths_scenario, str(tiny_qwen3_next))
+@pytest.mark.parametrize("size", [2, 4])
+def test_hybrid_every_path_matches_transformers(tiny_qwen3_next: Path, size: int) -> None:
+    """TP 2 splits the 2 linear key heads; TP 4 replicates each on 2 ranks and splits its value heads."""
+    ranks = run_group(size, paths_scenario, str(tiny_qwen3_next))
     check_paths(tiny_qwen3_next, ranks[0])
     for out in ranks:
-        assert out["info"].state_layout.endswith("/tp0of2")
+        assert out["info"].state_layout.endswith(f"/tp0of{size}")
         assert out["get_jobs"] == [(True, 1), (True, 1)]  # the page and the state
 
 
@@ -80,3 +82,11 @@ def test_shards_must_divide() -> None:
         tp.split(128, "intermediate_size")
     assert Tp(3, 4).kv_heads(2, 4) == (1, 1)  # replicated: ranks 2 and 3 hold KV head 1
     assert Tp(1, 2).kv_heads(4, 8) == (2, 2)
+    from services.worker.models.linear_attn import _heads
+
+    assert _heads(2, 4, Tp(3, 4)) == (1, 1, 1, 1)  # key head 1 (on ranks 2, 3), its 2nd value head
+    assert _heads(4, 8, Tp(1, 2)) == (2, 2, 0, 2)  # whole groups: key heads 2 and 3
+    with pytest.raises(ValueError, match="linear_num_key_heads"):
+        _heads(2, 4, Tp(0, 3))
+    with pytest.raises(ValueError, match="linear_num_value_heads"):
+        _heads(2, 2, Tp(0, 4))

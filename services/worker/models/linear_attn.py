@@ -78,12 +78,41 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def _heads(num_k: int, num_v: int, tp: Tp) -> tuple[int, int, int, int]:
+    """This rank's ``(first key head, key heads, first value head within each key head's group,
+    value heads per key head)``: whole key-head groups when the ranks divide the key heads, else
+    one key head replicated on ``size / num_k`` ranks, its value heads split among them."""
+    r = num_v // num_k
+    if num_k % tp.size == 0:
+        k0, hk = tp.split(num_k, "linear_num_key_heads")
+        return k0, hk, 0, r
+    m = tp.size // num_k
+    if tp.size % num_k or r % m:
+        raise ValueError(
+            f"tensor parallel size {tp.size} must divide linear_num_key_heads ({num_k}) or be a multiple of it "
+            f"that divides linear_num_value_heads ({num_v})"
+        )
+    return tp.rank // m, 1, (tp.rank % m) * (r // m), r // m
+
+
+def _merge(pieces: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Adjacent (start, stop) pieces joined, so a contiguous shard is read in one slice."""
+    out: list[tuple[int, int]] = []
+    for a, b in pieces:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return tuple(out)
+
+
 class GatedDeltaNet(nn.Module):
     """One linear-attention token mixer; ``forward`` reads and updates Mamba slots in place.
 
     Tensor parallel: by key heads, each with its ``Hv / Hk`` value heads (the checkpoint groups
-    the projections that way): a rank's conv channels, recurrent state, ``dt_bias`` / ``A_log``
-    are those of its heads; ``out_proj`` is row-parallel, all-reduced."""
+    the projections that way), or, with more ranks than key heads, one key head replicated and its
+    value heads split (``_heads``): a rank's conv channels, recurrent state, ``dt_bias`` /
+    ``A_log`` are those of its heads; ``out_proj`` is row-parallel, all-reduced."""
 
     def __init__(
         self,
@@ -103,29 +132,34 @@ class GatedDeltaNet(nn.Module):
                 f"linear_num_key_heads={num_k_heads}"
             )
         r = num_v_heads // num_k_heads
-        k0, hk = tp.split(num_k_heads, "linear_num_key_heads")
-        v0, hv = k0 * r, hk * r
+        k0, hk, i0, rv = _heads(num_k_heads, num_v_heads, tp)
+        v0, hv = k0 * r + i0, hk * rv
         self.tp = tp
         self.hk, self.hv, self.dk, self.dv = hk, hv, head_k_dim, head_v_dim  # this rank's heads
         self.kernel = conv_kernel
         self.key_dim, self.value_dim = hk * head_k_dim, hv * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        group = 2 * head_k_dim + 2 * r * head_v_dim  # one key head's rows of in_proj_qkvz
-        self.in_proj_qkvz = column_linear(
-            hidden_size, num_k_heads * group, tp, pieces=((k0 * group, (k0 + hk) * group),)
-        )
-        self.in_proj_ba = column_linear(hidden_size, 2 * num_v_heads, tp, pieces=((2 * v0, 2 * (v0 + hv)),))
+        dk, dv, g = head_k_dim, head_v_dim, 2 * head_k_dim + 2 * r * head_v_dim  # g: one key head's rows
+        qkvz: list[tuple[int, int]] = []
+        ba: list[tuple[int, int]] = []
+        for j in range(k0, k0 + hk):  # per key head: [q | k | v (its value heads) | z (same)], [b | a]
+            base = j * g + 2 * dk
+            qkvz += [(j * g, base), (base + i0 * dv, base + (i0 + rv) * dv)]
+            qkvz += [(base + (r + i0) * dv, base + (r + i0 + rv) * dv)]
+            ba += [(2 * r * j + i0, 2 * r * j + i0 + rv), (2 * r * j + r + i0, 2 * r * j + r + i0 + rv)]
+        self.in_proj_qkvz = column_linear(hidden_size, num_k_heads * g, tp, pieces=_merge(qkvz))
+        self.in_proj_ba = column_linear(hidden_size, 2 * num_v_heads, tp, pieces=_merge(ba))
         # nn.Conv1d only to keep the checkpoint's parameter name and [C, 1, K] shape.
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(hv))
         self.A_log = nn.Parameter(torch.zeros(hv))
         if tp.size > 1:  # the conv's channels are [q | k | v] of all heads: three pieces per rank
-            full_k = num_k_heads * head_k_dim
+            full_k = num_k_heads * dk
             shard_rows(
                 self.conv1d.weight,
-                (k0 * head_k_dim, (k0 + hk) * head_k_dim),
-                (full_k + k0 * head_k_dim, full_k + (k0 + hk) * head_k_dim),
-                (2 * full_k + v0 * head_v_dim, 2 * full_k + (v0 + hv) * head_v_dim),
+                (k0 * dk, (k0 + hk) * dk),
+                (full_k + k0 * dk, full_k + (k0 + hk) * dk),
+                (2 * full_k + v0 * dv, 2 * full_k + (v0 + hv) * dv),
             )
             shard_rows(self.dt_bias, (v0, v0 + hv))
             shard_rows(self.A_log, (v0, v0 + hv))
