@@ -236,6 +236,7 @@ def test_a_hung_rank_times_out_and_stops_the_group(tiny_qwen3: Path, tmp_path: P
         tiny_qwen3, free_port(), tmp_path, worker_args=("--tp", "2", "--threads", "1", "--tp-timeout-s", "3"),
         scheduler_args=("--worker-wait-s", "2"), say=lambda _: None,
     )  # fmt: skip
+    follower = -1
     try:
         worker = stack.child("worker")
         assert worker.proc is not None
@@ -251,7 +252,8 @@ def test_a_hung_rank_times_out_and_stops_the_group(tiny_qwen3: Path, tmp_path: P
             assert worker.proc.wait(30) == 1
             assert time.monotonic() - t0 < 20
         assert "a tensor-parallel step failed" in worker.log_path.read_text()
-        with contextlib.suppress(ProcessLookupError):  # rank 0 killed it on the way out
-            os.kill(follower, signal.SIGCONT)
     finally:
         stack.stop()
+        if follower > 0:  # a stopped process outlives SIGTERM
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(follower, signal.SIGKILL)

@@ -50,7 +50,7 @@ def _rank(rank: int, size: int, init: str, args: dict[str, Any], out: Any) -> No
         t0 = time.perf_counter()
         engine.step(StepRequest(0, reqs=reqs))
         prefill_s = time.perf_counter() - t0
-        before = tp.reduced_bytes
+        before, waited = tp.reduced_bytes, tp.reduce_s
         times = []
         for s in range(d):
             step = [
@@ -62,6 +62,7 @@ def _rank(rank: int, size: int, init: str, args: dict[str, Any], out: Any) -> No
         per_token = (tp.reduced_bytes - before) / (b * d)
         if rank == 0:
             out.put(("ok", {"prefill_s": prefill_s, "decode_step_s": statistics.median(times),
+                            "allreduce_s_per_decode_step": (tp.reduce_s - waited) / d,
                             "reduced_bytes_per_token": per_token}))  # fmt: skip
         tp.close()
     except BaseException as e:
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         "shape": {k: hf[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")},
         "batch": a.batch, "prompt_tokens": a.prompt, "decode_steps": a.decode, "repeats": a.repeats,
         "tp1": {k: summary(k, 1) for k in ("prefill_s", "decode_step_s")},
-        "tp2": {k: summary(k, 2) for k in ("prefill_s", "decode_step_s")},
+        "tp2": {k: summary(k, 2) for k in ("prefill_s", "decode_step_s", "allreduce_s_per_decode_step")},
         "reduced_bytes_per_decode_token": runs[2][0]["reduced_bytes_per_token"],
         "expected_bytes_per_decode_token": 2 * hf["num_hidden_layers"] * hf["hidden_size"] * 4,
     }  # fmt: skip
@@ -126,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{x['median'] * 1e3:.1f} ms ({x['min'] * 1e3:.1f}–{x['max'] * 1e3:.1f}) | "
               f"{y['median'] * 1e3:.1f} ms ({y['min'] * 1e3:.1f}–{y['max'] * 1e3:.1f}) | "
               f"{y['median'] / x['median']:.2f}× |")  # fmt: skip
-    print(f"\nall-reduced per decode token, per rank: {report['reduced_bytes_per_decode_token']:.0f} bytes "
+    ar = report["tp2"]["allreduce_s_per_decode_step"]  # type: ignore[index]
+    print(f"\nTP 2 decode step: {ar['median'] * 1e3:.1f} ms of it in all-reduces "
+          f"({2 * hf['num_hidden_layers']} per step)")  # fmt: skip
+    print(f"all-reduced per decode token, per rank: {report['reduced_bytes_per_decode_token']:.0f} bytes "
           f"(2 x {hf['num_hidden_layers']} layers x {hf['hidden_size']} x 4 bytes = "
           f"{report['expected_bytes_per_decode_token']} expected)")  # fmt: skip
     return 0

@@ -85,6 +85,7 @@ class Tp:
         self._group = group
         self.last_sent = time.monotonic()  # rank 0: when it last sent the followers a message
         self.reduced_bytes = 0  # bytes all-reduced so far (per rank), for the benchmark
+        self.reduce_s = 0.0  # time spent in those all-reduces (waiting for the slowest rank included)
 
     @classmethod
     def single(cls) -> Tp:
@@ -129,7 +130,9 @@ class Tp:
         """Sum ``x`` over the ranks, in place; returns it (a no-op on one rank)."""
         if self.size > 1:
             self.reduced_bytes += x.numel() * x.element_size()
+            t0 = time.perf_counter()
             _collective(dist.all_reduce, x, group=self._group)
+            self.reduce_s += time.perf_counter() - t0
         return x
 
     def agree_min(self, values: list[int]) -> list[int]:
