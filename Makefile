@@ -13,7 +13,7 @@ PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := strata/.generated
 PORT ?= 50051
 
-.PHONY: fuzz native bench-attention run test test-all soak bench bench-servers bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas bench-tp soak-hicache lint protos install system-deps models clean
+.PHONY: fuzz native bench-attention run test test-all soak bench bench-servers bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas bench-tp soak-hicache compose-certs lint protos install system-deps models clean
 
 run: install models
 	$(BIN)/strata up --model $(TINY) --port $(PORT)
@@ -96,6 +96,11 @@ bench-replicas: install $(BENCH_MODEL)/config.json
 # token (~2 min); writes docs/bench/tp.json and prints the table of docs/benchmarks.md.
 bench-tp: install $(BENCH_MODEL)/config.json
 	$(BIN)/python -m services.bench.tp --model $(BENCH_MODEL) --repeats 5
+
+# Development certificates for compose.tls.yaml (a CA and one certificate for every service name).
+COMPOSE_HOSTS := etcd kvstore worker worker-1 scheduler scheduler-1 tokenizer localhost 127.0.0.1
+compose-certs: install
+	$(BIN)/strata cert --out tls $(foreach h,$(COMPOSE_HOSTS),--host $(h))
 
 lint: install
 	$(BIN)/ruff check services kernels tests

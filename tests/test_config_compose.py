@@ -1,4 +1,4 @@
-"""Frozen configs reject what they do not know; compose.yaml is valid compose."""
+"""Frozen configs reject what they do not know; compose.yaml (and its TLS overlay) is valid compose."""
 
 from __future__ import annotations
 
@@ -82,6 +82,43 @@ def test_compose_file_is_valid() -> None:
         command = services[name]["command"]
         assert command[command.index("--metrics-port") + 1] == "9100", name
         assert "9100" in [str(e) for e in services[name]["expose"]], name
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="Debian's docker-compose is not installed")
+def test_compose_tls_overlay_encrypts_every_hop(tmp_path: Path) -> None:
+    """compose.tls.yaml on top of compose.yaml: every service speaks mutual TLS with etcd and the
+    others under its service name, its health check too; `make compose-certs` covers those names."""
+    out = subprocess.run(
+        ["docker-compose", "-f", "compose.yaml", "-f", "compose.tls.yaml", "config"],
+        capture_output=True, text=True, cwd=REPO,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    services = yaml.safe_load(out.stdout)["services"]
+    etcd = services["etcd"]["command"]
+    assert "--client-cert-auth" in etcd and "--listen-client-urls=https://0.0.0.0:2379" in etcd
+    strata = [n for n in services if n != "etcd"]
+    assert len(strata) == 6
+    for name in strata:
+        command, check = services[name]["command"], services[name]["healthcheck"]["test"]
+        flag = lambda f, c=command: c[c.index(f) + 1]  # noqa: E731
+        assert flag("--etcd") == "https://etcd:2379", name
+        assert flag("--advertise-host") == name, name
+        assert (flag("--tls-cert"), flag("--tls-key"), flag("--tls-ca")) == (
+            "/tls/service.pem", "/tls/service.key", "/tls/ca.pem"
+        ), name  # fmt: skip
+        assert "--tls-ca" in check and "--tls-cert" in check, name
+        assert any(str(v).endswith(":/tls:ro") or "/tls" in str(v) for v in services[name]["volumes"]), name
+        assert "/model" in str(services[name]["volumes"]) or name != "worker", name
+    # the certificate `make compose-certs` writes is for every service name
+    from cryptography import x509
+
+    from services.common.tls import make_dev_certs
+
+    recipe = (REPO / "Makefile").read_text().split("COMPOSE_HOSTS := ", 1)[1].split("\n", 1)[0].split()
+    files = make_dev_certs(tmp_path, recipe)
+    cert = x509.load_pem_x509_certificate(Path(files.cert).read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert {"etcd", *strata} <= set(names), names
 
 
 @pytest.mark.parametrize(

@@ -146,3 +146,17 @@ def test_etcd_over_tls_requires_a_certificate_of_the_ca(stack: Stack, certs: Tls
             asyncio.run(members(plain))
     finally:
         tls.configure(before)
+
+
+@pytest.mark.parametrize("name", ["kvstore", "worker", "scheduler", "tokenizer"])
+def test_the_health_check_speaks_tls(stack: Stack, certs: TlsFiles, name: str) -> None:
+    """compose.tls.yaml's health checks: SERVING over mutual TLS, refused without it."""
+    from services.healthcheck import main
+
+    address = stack.child(name).address
+    with pytest.raises(SystemExit) as ok:
+        main([address, "--tls-ca", certs.ca, "--tls-cert", certs.cert, "--tls-key", certs.key])
+    assert ok.value.code == 0
+    with pytest.raises(SystemExit) as plain:
+        main([address])
+    assert plain.value.code == 1
