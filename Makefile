@@ -13,7 +13,7 @@ PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := strata/.generated
 PORT ?= 50051
 
-.PHONY: fuzz native bench-attention run test test-all soak bench bench-servers bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas bench-tp soak-hicache compose-certs lint protos install system-deps models clean
+.PHONY: fuzz native bench-attention run test test-all soak bench bench-servers bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas bench-tp soak-hicache soak-text compose-certs lint protos install system-deps models clean
 
 run: install models
 	$(BIN)/strata up --model $(TINY) --port $(PORT)
@@ -91,6 +91,13 @@ bench-hicache-hybrid: install $(BENCH_NEXT)/config.json
 # 4 replicas: kv vs round_robin vs least_load routing (and round_robin + shared L3) on multi-turn and shared-prefix traces, plus router cost (~8 min on 2 cores); writes docs/bench/replicas.json.
 bench-replicas: install $(BENCH_MODEL)/config.json
 	$(BIN)/python -m services.bench.replicas --model $(BENCH_MODEL) --run-dir .runs/bench-replicas
+
+# The tokenizer's text path for an hour (issue #18): the L3 soak's load as chat messages of words,
+# 16 detokenized tokens per answer; writes docs/bench/text_soak.{json,png}.
+soak-text: install models
+	$(BIN)/python -m services.bench.hicache_soak --model $(TINY) --minutes 60 --worker-threads 1 --text \
+	  --max-new-tokens 16 --request-tokens 1024 --run-dir .runs/soak-text --out docs/bench/text_soak.json \
+	  --plot docs/bench/text_soak.png
 
 # Tensor parallelism: step time TP 1 vs TP 2 (gloo, 2 cores) and bytes all-reduced per decode
 # token (~2 min); writes docs/bench/tp.json and prints the table of docs/benchmarks.md.

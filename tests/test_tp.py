@@ -90,3 +90,11 @@ def test_shards_must_divide() -> None:
         _heads(2, 4, Tp(0, 3))
     with pytest.raises(ValueError, match="linear_num_value_heads"):
         _heads(2, 2, Tp(0, 4))
+
+
+def test_each_rank_gets_its_own_gpu() -> None:
+    from services.worker.tp_group import rank_device
+
+    assert [rank_device("cuda:2", r) for r in range(3)] == ["cuda:2", "cuda:3", "cuda:4"]
+    assert rank_device("cuda", 1) == "cuda:1"
+    assert rank_device("cpu", 3) == "cpu"

@@ -50,6 +50,7 @@ from services.common.etcd_proc import free_port
 from services.kvstore.backends import BackendStats
 from services.kvstore.client import KVStoreClient
 from services.supervisor import Stack, start_stack
+from services.worker.tiny import WORDS
 from strata.v1 import strata_pb2 as pb
 from strata.v1 import strata_pb2_grpc as pgrpc
 from strata.worker.v1 import worker_pb2 as wpb
@@ -107,6 +108,11 @@ class SoakConfig:
     minutes: float = 0.0  # > 0: repeat until this long has passed (repetitions is then ignored)
     worker_threads: int = 0  # the worker's intra-op threads (0 = torch's default: one per core)
     seed: int = 0
+    # Chat messages of English words instead of token ids: the tokenizer's text path (chat template,
+    # tokenization, incremental detokenization of every answer) carries the load. Lengths are then
+    # approximate: a turn has turn_tokens / 2 words, and a conversation starts over once the last
+    # prompt's real token count plus twice the new words would pass prompt_cap.
+    text: bool = False
 
     def __post_init__(self) -> None:
         if min(self.clients, self.rounds, self.max_new_tokens, self.repetitions) < 1:
@@ -300,24 +306,32 @@ async def _conversation(
 ) -> None:
     rng = random.Random(f"{cfg.seed}/{rep}/{client}")
     sampling = pb.SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens, ignore_eos=True)
-    hist: list[int] = []
+    hist: list[int] = []  # the conversation's token ids (ids mode)
+    chat: list[pb.ChatMessage] = []  # its messages (text mode)
+    held = 0  # tokens of the conversation so far (the last prompt and its answer)
     for rnd in range(cfg.rounds):
-        new = [rng.randrange(FIRST_ID, vocab) for _ in range(cfg.turn_tokens)]
-        if len(hist) + len(new) > cfg.prompt_cap:
-            hist = []  # past the cap: a new conversation, as bench_multiturn does
-        prompt = hist + new
+        if cfg.text:
+            words = [rng.choice(WORDS) for _ in range(max(cfg.turn_tokens // 2, 1))]
+            if held + 2 * len(words) > cfg.prompt_cap:
+                held, chat = 0, []
+            chat.append(pb.ChatMessage(role="user", content=" ".join(words)))
+            what: dict[str, object] = {"messages": pb.ChatMessages(messages=chat)}
+        else:
+            new = [rng.randrange(FIRST_ID, vocab) for _ in range(cfg.turn_tokens)]
+            if held + len(new) > cfg.prompt_cap:
+                held, hist = 0, []  # past the cap: a new conversation, as bench_multiturn does
+            what = {"input_ids": pb.TokenIds(ids=hist + new)}
         load.requests += 1
-        load.prompt_tokens += len(prompt)
-        load.reusable_tokens += max(len(hist) - 1, 0)
-        req = pb.GenerateRequest(
-            request_id=f"soak-{rep}-{client}-{rnd}", input_ids=pb.TokenIds(ids=prompt), sampling=sampling
-        )
+        load.reusable_tokens += max(held - 1, 0)
+        req = pb.GenerateRequest(request_id=f"soak-{rep}-{client}-{rnd}", sampling=sampling, **what)  # type: ignore[arg-type]
         last: pb.GenerateResponse | None = None
         answer: list[int] = []
+        text: list[str] = []
         try:
             async with slots:  # FIFO: a finished conversation's next round queues behind the others
                 async for resp in api.Generate(req, timeout=cfg.request_timeout_s):
                     answer.extend(resp.token_ids)
+                    text.append(resp.text)
                     last = resp
         except grpc.aio.AioRpcError as e:
             load.errors.append(f"{req.request_id}: {e.code().name} {e.details()}")
@@ -327,8 +341,13 @@ async def _conversation(
             load.errors.append(f"{req.request_id}: {why}")
             return
         load.completed += 1
+        load.prompt_tokens += last.usage.prompt_tokens
         load.cached_tokens += last.usage.cached_tokens
-        hist = prompt + answer
+        held = last.usage.prompt_tokens + len(answer)
+        if cfg.text:
+            chat.append(pb.ChatMessage(role="assistant", content="".join(text)))
+        else:
+            hist = list(req.input_ids.ids) + answer
 
 
 def _kv_figures(s: BackendStats) -> tuple[int, int, int, int]:
@@ -476,12 +495,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path, default=Path("models/qwen3-tiny"))
     p.add_argument("--run-dir", type=Path, default=Path(".runs/hicache-soak"))
     p.add_argument("--out", type=Path, default=Path("docs/bench/hicache_soak.json"))
-    for name in ("clients", "rounds", "request_tokens", "parallel", "repetitions", "warmup", "device_tokens",
-                 "host_tokens", "l3_tokens", "host_page_tokens", "worker_threads", "seed"):  # fmt: skip
+    ints = ("clients", "rounds", "request_tokens", "max_new_tokens", "parallel", "repetitions", "warmup",
+            "device_tokens", "host_tokens", "l3_tokens", "host_page_tokens", "worker_threads", "seed")  # fmt: skip
+    for name in ints:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     p.add_argument("--minutes", type=float, default=d.minutes,
                    help="repeat until this long has passed (judged on the last half's slope too)")
     p.add_argument("--plot", type=Path, default=None, help="write the RSS plot here (PNG)")
+    p.add_argument("--text", action="store_true",
+                   help="chat messages of words instead of token ids (the tokenizer's text path)")
     p.add_argument("--settle-s", type=float, default=d.settle_s)
     p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
     args = p.parse_args(argv)

@@ -13,6 +13,11 @@ A step runs in four stages, and nothing is mutated until the first one has passe
    ``req_to_token``, then the model stores the new KV and returns logits;
 4. **sample** one token for each request with ``sample=True``.
 
+Tensor parallelism (``tp``, see ``services.worker.tp``): every rank runs stages 1-3 on its shard
+with the same indices; rank 0 alone samples (late grammar masks reach it only) and broadcasts the
+ids, which the other ranks record as the next decode's input; host-op results are the minimum over
+the ranks (a page one rank could not fetch is missing for all).
+
 Per-row state kept between steps (dropped by ``ReleaseRow``): the last sampled token (the input
 of a ``use_last_sample`` decode in overlap scheduling), how many positions the row holds, and the
 token history for penalties (``history_ids`` from the row's first step, plus every token sampled

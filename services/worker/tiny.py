@@ -80,7 +80,7 @@ _SHAPES: dict[Size, _Shape] = {
     ),
 }
 
-_WORDS = (  # noqa: SIM905 (a word list reads better as prose)
+WORDS = (  # noqa: SIM905 (a word list reads better as prose)
     "the of and to in is it you that he was for on are with as his they be at one have this from or "
     "had by word but what some we can out other were all there when up use your how said an each she "
     "which do their time if will way about many then them write would like so these her long make "
@@ -134,7 +134,7 @@ def _lexicon(rng: random.Random, size: int) -> list[str]:
 def _sentence(rng: random.Random, lexicon: list[str]) -> str:
     # Common words most of the time; invented ones Zipf-like (low indices far more frequent).
     words = [
-        rng.choice(_WORDS) if rng.random() < 0.7 else lexicon[int(len(lexicon) * rng.random() ** 3)]
+        rng.choice(WORDS) if rng.random() < 0.7 else lexicon[int(len(lexicon) * rng.random() ** 3)]
         for _ in range(rng.randint(4, 14))
     ]
     if rng.random() < 0.3:
@@ -149,7 +149,7 @@ def _sentence(rng: random.Random, lexicon: list[str]) -> str:
 def _json_line(rng: random.Random) -> str:
     fields = []
     for key in rng.sample(_KEYS, rng.randint(1, 4)):
-        word = f'"{rng.choice(_WORDS)}"'
+        word = f'"{rng.choice(WORDS)}"'
         value = rng.choice((word, str(rng.randint(0, 999)), "true", "false", "null", "[1, 2]"))
         fields.append(f'"{key}": {value}')
     return "{" + ", ".join(fields) + "}"

@@ -92,11 +92,17 @@ class Tp:
         return cls(0, 1)
 
     @classmethod
-    def join(cls, init_method: str, rank: int, size: int, timeout_s: float) -> Tp:
-        """Join (or create, on rank 0) the gloo process group at ``init_method`` (``tcp://host:port``);
-        returns once all ``size`` ranks are in, or raises after ``timeout_s``."""
+    def join(cls, init_method: str, rank: int, size: int, timeout_s: float, device: str = "cpu") -> Tp:
+        """Join (or create, on rank 0) the process group at ``init_method`` (``tcp://host:port``);
+        returns once all ``size`` ranks are in, or raises after ``timeout_s``. Gloo carries CPU
+        tensors (the steps, and the model's all-reduces on a CPU device); on a CUDA ``device`` the
+        model's all-reduces go over NCCL."""
         timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=timeout)
+        backend = "gloo"
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device).index or 0)
+            backend = "cpu:gloo,cuda:nccl"
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
         return cls(rank, size, dist.group.WORLD)
 
     def close(self) -> None:

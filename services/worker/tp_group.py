@@ -49,7 +49,8 @@ class Followers:
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.broken = ""
         for rank in range(1, cfg.tp):
-            child = replace(cfg, tp_rank=rank, tp_init=self.init_method, port=0, metrics_port=-1)
+            device = rank_device(cfg.device, rank)
+            child = replace(cfg, tp_rank=rank, tp_init=self.init_method, port=0, metrics_port=-1, device=device)
             cmd = [sys.executable, "-m", "services.worker.server", *config_mod.to_args(child)]
             # No preexec_fn: other threads may hold locks (gRPC's), and code between fork and exec
             # could deadlock on them; the follower asks for its parent-death signal itself.
@@ -96,9 +97,17 @@ class Followers:
                 p.kill()
 
 
+def rank_device(device: str, rank: int) -> str:
+    """Rank ``rank``'s device: the GPUs after rank 0's (``cuda:2``: ranks on 2, 3, ...); CPU ranks share it."""
+    if not device.startswith("cuda"):
+        return device
+    _, _, index = device.partition(":")
+    return f"cuda:{int(index or 0) + rank}"
+
+
 def join(cfg: WorkerConfig, init_method: str) -> Tp:
     """Join the group (blocking; on the engine's thread)."""
-    return Tp.join(init_method, cfg.tp_rank, cfg.tp, cfg.tp_timeout_s)
+    return Tp.join(init_method, cfg.tp_rank, cfg.tp, cfg.tp_timeout_s, cfg.device)
 
 
 def describe_death(rank: int, code: int) -> str:
