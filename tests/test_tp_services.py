@@ -1,7 +1,7 @@
 """A tensor-parallel worker (``--tp 2``, gloo) behind the real services: etcd, kvstore, scheduler
 and tokenizer processes talking gRPC.
 
-1. Greedy output equals transformers on every path at once: chunked prefill with overlap, a
+1. Greedy output equals transformers on every path at once, dense and hybrid: chunked prefill with overlap, a
    device pool small enough to retract and to evict to the host, prefix hits from the device
    and from the host, and, after a worker restart, from L3.
 2. A TP-2 and a TP-1 worker sharing one kvstore never exchange pages (their keys differ) and each
@@ -13,6 +13,7 @@ and tokenizer processes talking gRPC.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import re
@@ -73,11 +74,23 @@ def _hicache(stack: Stack, event: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def test_every_path_through_the_services_equals_transformers(tiny_qwen3: Path, tmp_path: Path) -> None:
+def _slot_bytes_per_rank(model: Path, tp: int) -> int:
+    """K and V of every full-attention layer, for one rank's KV heads, fp32."""
+    c = json.loads((model / "config.json").read_text())
+    layers = sum(t == "full_attention" for t in c.get("layer_types", ["full_attention"] * c["num_hidden_layers"]))
+    heads = max(c["num_key_value_heads"] // tp, 1)
+    return 2 * layers * heads * c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]) * 4
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3-next"])
+def test_every_path_through_the_services_equals_transformers(
+    arch: str, tiny_qwen3: Path, tiny_qwen3_next: Path, tmp_path: Path
+) -> None:
+    model = tiny_qwen3 if arch == "qwen3" else tiny_qwen3_next
     rng = random.Random(3)
-    # 2 ranks, 1 KV head each: 512 bytes a slot per rank; 160 slots hold about two requests.
+    # 160 slots of this rank's KV heads hold about two requests: decodes must retract.
     stack = start_stack(
-        tiny_qwen3, free_port(), tmp_path, worker_args=_worker_args(160 * 512, 2),
+        model, free_port(), tmp_path, worker_args=_worker_args(160 * _slot_bytes_per_rank(model, 2), 2),
         scheduler_args=("--max-prefill-tokens", "24", "--metrics-port", "0"), say=lambda _: None,
     )  # fmt: skip
     try:
@@ -86,7 +99,7 @@ def test_every_path_through_the_services_equals_transformers(tiny_qwen3: Path, t
         base = random_ids(rng, 48, info.vocab_size)
         prompts = [base + random_ids(rng, 8 + 3 * i, info.vocab_size) for i in range(6)]
         prompts += [random_ids(rng, 60, info.vocab_size) for _ in range(4)]
-        want = [hf_greedy(tiny_qwen3, p, OUT, stop_at_eos=False) for p in prompts]
+        want = [hf_greedy(model, p, OUT, stop_at_eos=False) for p in prompts]
         with grpc.insecure_channel(stack.child("tokenizer").address) as ch:
             api = pgrpc.StrataStub(ch)
 
