@@ -1,9 +1,9 @@
 """A tensor-parallel worker (``--tp 2``, gloo) behind the real services: etcd, kvstore, scheduler
 and tokenizer processes talking gRPC.
 
-1. Greedy output equals transformers on every path at once, dense and hybrid: chunked prefill with overlap, a
-   device pool small enough to retract and to evict to the host, prefix hits from the device
-   and from the host, and, after a worker restart, from L3.
+1. Greedy output equals transformers on every path at once, dense and hybrid: chunked prefill
+   with overlap, a device pool small enough to retract and to evict to the host, prefix hits from
+   the device and from the host, and, after a worker restart, from L3.
 2. A TP-2 and a TP-1 worker sharing one kvstore never exchange pages (their keys differ) and each
    reloads its own.
 3. Killing one rank: the group exits saying which rank died, etcd drops the worker, clients get
