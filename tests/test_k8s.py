@@ -30,7 +30,7 @@ from services.worker.config import WorkerConfig
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "deploy" / "k8s"
-TREES = ("base", "overlays/cpu-tiny")
+TREES = ("base", "overlays/cpu-tiny", "overlays/tp2")
 # The Kubernetes release whose API schemas the objects must satisfy (docs/kubernetes.md says it too).
 KUBERNETES = "1.37.0"
 CONFIGS: dict[str, type] = {
@@ -384,6 +384,15 @@ def test_cpu_tiny_overlay_needs_no_gpu_and_no_model_volume(rendered: dict[str, l
         pod = _pod(objs, name)
         assert pod.volume("model") == {"name": "model", "emptyDir": {"sizeLimit": "64Mi"}}
         assert [c["args"][:2] for c in pod.spec["initContainers"]] == [["model", "tiny"]]
+
+
+def test_tp2_overlay_gives_each_worker_two_gpus_and_two_ranks(rendered: dict[str, list[Obj]]) -> None:
+    objs = rendered["overlays/tp2"]
+    worker = _pod(objs, "strata-replica").spec["containers"][0]
+    assert worker["resources"]["requests"][GPU] == worker["resources"]["limits"][GPU] == 2
+    config = next(o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("strata-worker"))
+    values = yaml.safe_load(next(iter(config["data"].values())))
+    assert values["tp"] == 2 and values["device"] == "cuda:0"
 
 
 # Each mutation: (file under deploy/k8s, text there (its first occurrence is replaced), replacement,
