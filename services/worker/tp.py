@@ -7,8 +7,9 @@ Sharding (as the peers do it, one all-reduce per block):
   ranks (rank ``r`` holds head ``r * Hkv // n``). ``o_proj`` is row-parallel, then all-reduced;
 * MLP and every MoE expert: ``gate_proj`` / ``up_proj`` column-parallel, ``down_proj``
   row-parallel; one all-reduce per MLP / MoE block (experts and shared expert summed first);
-* Qwen3-Next's gated DeltaNet by key-head groups (each with its value heads), so the conv
-  channels and the recurrent state of a rank are those of its heads;
+* Qwen3-Next's gated DeltaNet by key-head groups (each with its value heads; with more ranks than
+  key heads, a key head replicated and its value heads split), so the conv channels and the
+  recurrent state of a rank are those of its heads;
 * the embedding, the LM head, the norms and the MoE router are replicated: logits are whole on
   every rank, and only rank 0 samples (it sends the sampled ids to the others, which need them
   for the next decode's input).
@@ -27,7 +28,6 @@ stay bounded too, and a follower that stops answering is noticed while idle.
 from __future__ import annotations
 
 import datetime
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,8 +36,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-
-log = logging.getLogger(__name__)
 
 HEARTBEAT = -1  # a message length meaning "no step: still here"
 
