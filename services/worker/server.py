@@ -247,7 +247,7 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
         log.error("%s", message)
         if registration is not None:
             await registration.stop()
-        followers.stop()  # type: ignore[union-attr]
+        followers.kill()  # type: ignore[union-attr]
         print(f"worker: {message}", file=sys.stderr, flush=True)
         os._exit(1)  # the engine thread may sit in a collective until its timeout: do not wait for it
     if registration is not None:

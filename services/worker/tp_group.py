@@ -86,6 +86,12 @@ class Followers:
         are out of step for good."""
         self.broken = f"a tensor-parallel step failed ({error!r}); the worker group stops"
 
+    def kill(self) -> None:
+        """The group is broken: no rank is waited for (a stopped one would ignore SIGTERM)."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+
     def stop(self, timeout_s: float = 5.0) -> None:
         for p in self.procs.values():
             if p.poll() is None:
