@@ -148,6 +148,9 @@ async def serve_follower(cfg: WorkerConfig, stop: asyncio.Event, make_engine: Ca
     die_with_parent()
     if os.getppid() == 1:  # rank 0 died before we asked
         os._exit(1)
+    name = f"worker-rank{cfg.tp_rank}"  # its lines share rank 0's log: say whose they are
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s"))
     loop = asyncio.get_running_loop()
 
     def run() -> None:
