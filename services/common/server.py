@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import config, tls
+from services.common import config, heap_trace, tls
 from services.common.errors import ErrorInterceptor
 
 log = logging.getLogger(__name__)
@@ -154,6 +154,7 @@ def run_service(
         if problem:
             parser.error(f"{key}: {problem}")
     setup_logging(name, getattr(cfg, "log_level", "info"))
+    heap_trace.start_from_environment()
 
     async def run() -> None:
         stop = asyncio.Event()

@@ -29,7 +29,7 @@ import logging
 import os
 import time
 
-from services.worker import memory_report
+from services.common import glibc_heap
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ _done = False
 
 def _mallopt(param: int, value: int) -> bool:
     """glibc's ``mallopt``; False where there is none."""
-    fn = getattr(memory_report.LIBC, "mallopt", None)
+    fn = getattr(glibc_heap.LIBC, "mallopt", None)
     return fn is not None and bool(fn(param, value))
 
 
@@ -52,7 +52,7 @@ def keep_large_blocks_on_heap() -> bool:
     global _done
     if _done:
         return True
-    if getattr(memory_report.LIBC, "mallopt", None) is None:
+    if getattr(glibc_heap.LIBC, "mallopt", None) is None:
         log.info("no glibc mallopt here: allocator thresholds left as they are")
         return False
     _done = _mallopt(_M_MMAP_THRESHOLD, THRESHOLD_BYTES) and _mallopt(_M_TRIM_THRESHOLD, THRESHOLD_BYTES)
@@ -71,7 +71,7 @@ class Trimmer:
         self.min_free_bytes = min_free_bytes
         self.trims = 0
         self._last = time.monotonic()
-        self._trim = getattr(memory_report.LIBC, "malloc_trim", None)
+        self._trim = getattr(glibc_heap.LIBC, "malloc_trim", None)
 
     def maybe(self) -> bool:
         """Trim if it is time and enough is free; True if it trimmed."""
@@ -79,7 +79,7 @@ class Trimmer:
         if self._trim is None or now - self._last < self.every_s:
             return False
         self._last = now
-        if memory_report.heap().free_bytes < self.min_free_bytes:
+        if glibc_heap.heap().free_bytes < self.min_free_bytes:
             return False
         self._trim(0)
         self.trims += 1

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 from prometheus_client import CollectorRegistry
 
-from services.common import step_codec, telemetry
+from services.common import glibc_heap, step_codec, telemetry
 from services.common.discovery import ModelRegistry, Registration, ServiceRecord, advertised_address
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.metrics import MetricFactory, serve_metrics
@@ -48,9 +48,9 @@ class WorkerMetrics:
             "glibc's heap (mallinfo2), by state: in_use, free (held for reuse, not returned), mmap (own mappings).",
             ["state"],
         )
-        heap_bytes.labels("in_use").set_function(lambda: memory_report.heap().in_use_bytes)
-        heap_bytes.labels("free").set_function(lambda: memory_report.heap().free_bytes)
-        heap_bytes.labels("mmap").set_function(lambda: memory_report.heap().mmap_bytes)
+        heap_bytes.labels("in_use").set_function(lambda: glibc_heap.heap().in_use_bytes)
+        heap_bytes.labels("free").set_function(lambda: glibc_heap.heap().free_bytes)
+        heap_bytes.labels("mmap").set_function(lambda: glibc_heap.heap().mmap_bytes)
 
     def observe(self, step: StepRequest, result: StepResult) -> None:
         self.steps.inc()
