@@ -13,9 +13,11 @@ from services.common import heap_trace
 
 
 def test_off_unless_asked() -> None:
-    assert heap_trace.start_from_environment({}) is None
-    assert heap_trace.start_from_environment({heap_trace.ENV: "soon"}) is None
-    assert heap_trace.start_from_environment({heap_trace.ENV: "0"}) is None
+    assert heap_trace.start_from_environment("scheduler", {}) is None
+    assert heap_trace.start_from_environment("scheduler", {heap_trace.ENV: "soon"}) is None
+    assert heap_trace.start_from_environment("scheduler", {heap_trace.ENV: "0"}) is None
+    only = {heap_trace.ENV: "60", heap_trace.ONLY_ENV: "tokenizer, kvstore"}
+    assert heap_trace.start_from_environment("scheduler", only) is None
 
 
 def test_reports_the_site_that_grows(caplog: pytest.LogCaptureFixture) -> None:

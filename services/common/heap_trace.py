@@ -24,14 +24,18 @@ from services.common.glibc_heap import heap
 log = logging.getLogger(__name__)
 
 ENV = "STRATA_TRACEMALLOC_S"
+ONLY_ENV = "STRATA_TRACEMALLOC_ONLY"  # comma-separated service names; unset = every service
 FRAMES = 6  # stack depth kept per allocation: enough to see which caller owns a site
 TOP = 10
 
 
-def start_from_environment(environ: dict[str, str] | None = None) -> threading.Thread | None:
-    """Start the tracer and its reporting thread when ``STRATA_TRACEMALLOC_S`` asks for it."""
-    value = (environ if environ is not None else os.environ).get(ENV, "")
-    if not value:
+def start_from_environment(service: str = "", environ: dict[str, str] | None = None) -> threading.Thread | None:
+    """Start the tracer and its reporting thread when ``STRATA_TRACEMALLOC_S`` asks for it (and
+    ``STRATA_TRACEMALLOC_ONLY``, when set, names ``service``)."""
+    env = environ if environ is not None else os.environ
+    value = env.get(ENV, "")
+    only = [s.strip() for s in env.get(ONLY_ENV, "").split(",") if s.strip()]
+    if not value or (only and service not in only):
         return None
     try:
         period = float(value)

@@ -154,7 +154,7 @@ def run_service(
         if problem:
             parser.error(f"{key}: {problem}")
     setup_logging(name, getattr(cfg, "log_level", "info"))
-    heap_trace.start_from_environment()
+    heap_trace.start_from_environment(name)
 
     async def run() -> None:
         stop = asyncio.Event()
