@@ -113,6 +113,7 @@ class SoakConfig:
     # approximate: a turn has turn_tokens / 2 words, and a conversation starts over once the last
     # prompt's real token count plus twice the new words would pass prompt_cap.
     text: bool = False
+    l3: bool = True  # False: the host pool only, no kvstore traffic (to split a growth by caller)
 
     def __post_init__(self) -> None:
         if min(self.clients, self.rounds, self.max_new_tokens, self.repetitions) < 1:
@@ -424,7 +425,7 @@ def run_soak(model: Path, cfg: SoakConfig, run_dir: Path, say: Callable[[str], N
         "--kv-cache-bytes", str(cfg.device_tokens * bpt),
         "--host-cache-bytes", str(cfg.host_tokens * bpt),
         "--host-page-tokens", str(cfg.host_page_tokens),
-        "--l3", "true",
+        "--l3", "true" if cfg.l3 else "false",
         *(("--threads", str(cfg.worker_threads)) if cfg.worker_threads else ()),
     )  # fmt: skip
     kvstore = ("--capacity-bytes", str(report.kv_capacity_bytes))
@@ -502,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=d.minutes,
                    help="repeat until this long has passed (judged on the last half's slope too)")
     p.add_argument("--plot", type=Path, default=None, help="write the RSS plot here (PNG)")
+    p.add_argument("--no-l3", dest="l3", action="store_false",
+                   help="no kvstore traffic: the host pool only (the kvstore still runs, idle)")
     p.add_argument("--text", action="store_true",
                    help="chat messages of words instead of token ids (the tokenizer's text path)")
     p.add_argument("--settle-s", type=float, default=d.settle_s)
