@@ -12,7 +12,6 @@ keys the rank wrote.
 
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import multiprocessing as mp
 import pickle
@@ -37,6 +36,7 @@ from services.common.step import (
     StateLoad,
     StepRequest,
 )
+from tests.test_host_ops import FakePort
 
 PAGE = 16  # host page tokens in the scenario
 
@@ -74,27 +74,6 @@ def run_group(size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 
             if p.is_alive():
                 p.kill()
     return [results[r] for r in range(size)]
-
-
-class DictL3:
-    """An in-process ``L3Port`` (this rank's own dict): enough to see which keys a rank writes and
-    that it reads its own pages back. The real kvstore is used in the service-level test."""
-
-    def __init__(self) -> None:
-        self.data: dict[bytes, bytes] = {}
-
-    def put(self, pages: list[tuple[bytes, bytes]]) -> concurrent.futures.Future[int]:
-        self.data.update(pages)
-        return _done(len(pages))
-
-    def get(self, keys: list[bytes]) -> concurrent.futures.Future[list[bytes | None]]:
-        return _done([self.data.get(k) for k in keys])
-
-
-def _done(value: Any) -> concurrent.futures.Future[Any]:
-    f: concurrent.futures.Future[Any] = concurrent.futures.Future()
-    f.set_result(value)
-    return f
 
 
 @dataclass
@@ -174,7 +153,7 @@ def paths_scenario(tp: Any, model_dir: str) -> dict[str, Any]:
     """Every cache path on this rank's engine; see the module docstring."""
     from services.worker.engine import Engine, EngineConfig
 
-    l3 = DictL3()
+    l3 = FakePort()  # this rank's own dict; the real kvstore is in test_tp_services
     cfg = EngineConfig(
         kv_cache_bytes=2 << 20, max_rows=16, max_context=256, mamba_slots=32,
         host_cache_bytes=1 << 20, host_page_tokens=PAGE, threads=1,
@@ -214,7 +193,7 @@ def paths_scenario(tp: Any, model_dir: str) -> dict[str, Any]:
     d.ops_only([HostLoad(9, (1,), tuple(slots))] + ([StateLoad(10, (1,), (state,))] if d.hybrid else []))
     e = d.new(prefix_slots=slots, state_from=state if d.hybrid else None)
     out["l3_reloaded"] = d.logits([(e, S3)])[0]
-    out["l3_keys"] = sorted(l3.data)
+    out["l3_keys"] = sorted(l3.pages)
     out["greedy"] = d.greedy(d.new(), P, 12)
     out["info"] = engine.info
     out["reduced_bytes"] = tp.reduced_bytes

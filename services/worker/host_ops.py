@@ -204,7 +204,7 @@ class HostTier:
             self._results.append(None)
 
     def _key(self, key: bytes) -> bytes:
-        return key if self.tp_size == 1 else rank_key(key, self.tp_rank, self.tp_size)
+        return rank_key(key, self.tp_rank, self.tp_size)  # rank 0 (and one rank) keeps the key as is
 
     def finish(self) -> list[JobResult]:
         """Wait for the L3 transfers started by ``run`` and return every op's result, in order."""
