@@ -13,7 +13,7 @@ PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := strata/.generated
 PORT ?= 50051
 
-.PHONY: fuzz native bench-attention run test test-all soak bench bench-servers bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas bench-tp soak-hicache soak-text compose-certs lint protos install system-deps models clean
+.PHONY: fuzz native bench-attention run test test-all soak bench bench-servers bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas bench-tp bench-overhead soak-hicache soak-text compose-certs lint protos install system-deps models clean
 
 run: install models
 	$(BIN)/strata up --model $(TINY) --port $(PORT)
@@ -103,6 +103,17 @@ soak-text: install models
 # token (~2 min); writes docs/bench/tp.json and prints the table of docs/benchmarks.md.
 bench-tp: install $(BENCH_MODEL)/config.json
 	$(BIN)/python -m services.bench.tp --model $(BENCH_MODEL) --repeats 5
+
+# The control plane's CPU per output token (issue #26): 256 greedy streams x 256 tokens on a one-layer
+# near-null model through the gRPC and HTTP fronts, alternated, 3 repeats, plus one py-spy profile
+# per front (~3 min); writes docs/bench/overhead.json and prints the table of docs/benchmarks.md.
+NULL_MODEL := $(MODELS)/qwen3-null
+bench-overhead: install $(NULL_MODEL)/config.json
+	@test -x $(BIN)/py-spy || $(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[bench]' --config-settings editable_mode=compat
+	$(BIN)/python benchmarks/overhead.py --model $(NULL_MODEL) --repeats 3 --out docs/bench/overhead.json --profile .runs/overhead-profile
+
+$(NULL_MODEL)/config.json: | install
+	$(BIN)/strata model tiny --arch qwen3 --size null --out $(NULL_MODEL)
 
 # Development certificates for compose.tls.yaml (a CA and one certificate for every service name).
 COMPOSE_HOSTS := etcd kvstore worker worker-1 scheduler scheduler-1 tokenizer localhost 127.0.0.1

@@ -258,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     msub = model.add_subparsers(dest="model_command", required=True)
     tiny = msub.add_parser("tiny", help="write a random-weight checkpoint with a trained BPE tokenizer")
     tiny.add_argument("--arch", choices=["qwen3", "qwen3-next"], default="qwen3")
-    tiny.add_argument("--size", choices=["tiny", "bench"], default="tiny")
+    tiny.add_argument("--size", choices=["tiny", "bench", "null"], default="tiny",
+                      help="tiny: tests; bench: a few tens of millions of parameters; null: one thin layer")
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--seed", type=int, default=0)
 

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 
 Arch = Literal["qwen3", "qwen3-next"]
-Size = Literal["tiny", "bench"]
+Size = Literal["tiny", "bench", "null"]
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
@@ -72,6 +72,12 @@ class _Shape:
 _SHAPES: dict[Size, _Shape] = {
     "tiny": _Shape(
         vocab=768, hidden=64, intermediate=128, layers=4, heads=4, kv_heads=2, head_dim=16, context=2048,
+        corpus_lines=3000,
+    ),
+    # One thin layer over the tiny vocabulary: a forward that costs almost nothing, so that what a
+    # served token costs is the control plane's (tokenizer, scheduler, worker bookkeeping).
+    "null": _Shape(
+        vocab=768, hidden=64, intermediate=128, layers=1, heads=4, kv_heads=2, head_dim=16, context=4096,
         corpus_lines=3000,
     ),
     "bench": _Shape(
@@ -233,7 +239,7 @@ def _model_config(arch: Arch, size: Size, shape: _Shape, vocab: int, ids: dict[s
             **common,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         )
-    small = size == "tiny"
+    small = size != "bench"
     return Qwen3NextConfig(
         **common,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
