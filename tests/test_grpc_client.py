@@ -39,6 +39,23 @@ class EchoScheduler(sgrpc.SchedulerServicer):
                 usage=pb.Usage(prompt_tokens=len(ids), completion_tokens=len(ids)) if last else None,
             )
 
+    def Session(
+        self, request_iterator: Iterator[spb.SessionRequest], context: grpc.ServicerContext
+    ) -> Iterator[spb.SessionEvents]:
+        """What the tokenizer calls: Generate's echo per submission, one message per id, paced so
+        that each reaches the client as a response of its own."""
+        for m in request_iterator:
+            if m.WhichOneof("kind") != "submit":
+                continue
+            ids, h = list(m.submit.request.input_ids), m.submit.handle
+            usage = pb.Usage(prompt_tokens=len(ids), completion_tokens=len(ids))
+            for i, t in enumerate(ids):
+                time.sleep(0.05)
+                msg = spb.SessionEvents(handles=[h], counts=[1], token_ids=[t])
+                if i == len(ids) - 1:
+                    msg.ends.append(spb.RequestEnd(handle=h, finish_reason=pb.FINISH_REASON_LENGTH, usage=usage))
+                yield msg
+
 
 @pytest.fixture(scope="module")
 def scheduler() -> Iterator[str]:

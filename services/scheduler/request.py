@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +104,9 @@ class Req:
     # decode input is then the worker's last sample for this row, not a known id.
     inflight: int = 0
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    # Where events go instead of ``events``: a session's collector (``services.scheduler.session``),
+    # which sends a whole step's events for all its requests as one message.
+    sink: Callable[[Event], None] | None = None
 
     @property
     def seq(self) -> list[int]:
@@ -119,7 +123,10 @@ class Req:
         return len(self.prompt) + len(self.output) + self.inflight - self.computed
 
     def emit(self, event: Event) -> None:
-        self.events.put_nowait(event)
+        if self.sink is not None:
+            self.sink(event)
+        else:
+            self.events.put_nowait(event)
 
     def emit_abort(self) -> None:
         self.finished = Finish.ABORT

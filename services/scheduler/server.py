@@ -11,11 +11,12 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
+from opentelemetry.trace import SpanKind, Status, StatusCode, use_span
 from prometheus_client import CollectorRegistry
 
 from services.common import step_codec, telemetry, validation
 from services.common.discovery import Discovery, Registration, ServiceRecord, advertised_address
-from services.common.errors import AlreadyExists, FailedPrecondition
+from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from services.common.metrics import serve_metrics
 from services.common.server import Server, run_service
 from services.scheduler.budget_ledger import BudgetLedger
@@ -24,7 +25,9 @@ from services.scheduler.grammar import Constraint, GrammarService, Matcher
 from services.scheduler.l3_lookup import L3Lookup
 from services.scheduler.loop import SchedulerLoop
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.request import FailEvent, Finish, FinishEvent, Req, TokenEvent
+from services.scheduler.request import FailEvent, FinishEvent, Req, TokenEvent
+from services.scheduler.session import FINISH_PB
+from services.scheduler.session import Session as Mux
 from services.scheduler.worker_link import GrpcWorkerLink, WorkerGone
 from strata.scheduler.v1 import scheduler_pb2 as spb
 from strata.scheduler.v1 import scheduler_pb2_grpc as sgrpc
@@ -35,12 +38,7 @@ log = logging.getLogger(__name__)
 # WatchCache: with no cache change, the load is sent at most this often (when it changed).
 LOAD_INTERVAL_S = 0.05
 
-_FINISH = {
-    Finish.STOP: pb.FINISH_REASON_STOP,
-    Finish.LENGTH: pb.FINISH_REASON_LENGTH,
-    Finish.ABORT: pb.FINISH_REASON_ABORT,
-    Finish.ERROR: pb.FINISH_REASON_ERROR,
-}
+_tracer = telemetry.get_tracer(__name__)
 
 
 class SchedulerServicer(sgrpc.SchedulerServicer):
@@ -74,9 +72,9 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
         compiled = await self._grammars.compile(Constraint(kind, getattr(c, kind)))
         return compiled.matcher()
 
-    async def Generate(
-        self, request: spb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[spb.GenerateResponse]:
+    async def _admit(self, request: spb.GenerateRequest, trace_context: dict[str, str]) -> Req:
+        """Validate ``request``, compile its grammar, look up L3 and queue it: the one admission
+        path of ``Generate`` and ``Session``. Raises ``StrataError`` with the status to return."""
         await self.loop.wait_for_worker()
         limits = self.loop.limits()
         ids = list(request.input_ids)
@@ -91,12 +89,19 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
         if rid in self.loop.requests:
             raise AlreadyExists(f"request_id: {rid!r} is already running")
         seed = gen.seed if gen.seed is not None else secrets.randbits(63)
-        req = Req(rid, ids, gen, seed, request.cache_salt, trace_context=telemetry.inject_context(), grammar=matcher)
+        req = Req(rid, ids, gen, seed, request.cache_salt, trace_context=trace_context, grammar=matcher)
         if self.l3 is not None:
             info = self.loop.info
             assert info is not None
             req.l3_pages = await self.l3.leading_pages(ids, request.cache_salt, info)
         self.loop.submit(req)
+        return req
+
+    async def Generate(
+        self, request: spb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[spb.GenerateResponse]:
+        req = await self._admit(request, telemetry.inject_context())
+        rid, prompt_len = req.rid, len(req.prompt)
         try:
             while True:
                 # Everything already queued goes out in one message (tokens first, then the end).
@@ -107,7 +112,7 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
                 if tokens:
                     # Usage so far rides along, so a client that stops early still knows its cache hit.
                     usage = pb.Usage(
-                        prompt_tokens=len(ids),
+                        prompt_tokens=prompt_len,
                         completion_tokens=len(req.output),
                         cached_tokens=req.cached_tokens,
                     )
@@ -128,6 +133,63 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
             if req.finished is None:  # the client went away: free its memory
                 self.loop.abort(rid)
             self.loop.forget(rid)
+
+    async def Session(
+        self, request_iterator: AsyncIterator[spb.SessionRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[spb.SessionEvents]:
+        session = Mux(self.loop.abort, self.loop.forget)
+        reader = asyncio.create_task(self._read_session(request_iterator, session), name="session reader")
+        try:
+            while True:
+                if not session.wake.is_set() and not reader.done():
+                    woken = asyncio.ensure_future(session.wake.wait())
+                    await asyncio.wait((woken, reader), return_when=asyncio.FIRST_COMPLETED)
+                    woken.cancel()
+                msg = session.take()
+                if msg is not None:
+                    yield msg
+                elif reader.done():
+                    reader.result()  # a broken client stream ends the call with its error
+                    if not session.entries:
+                        return  # the client is done sending and every request has ended
+                    await session.wake.wait()
+        finally:
+            reader.cancel()
+            session.close()
+
+    async def _read_session(self, requests: AsyncIterator[spb.SessionRequest], session: Mux) -> None:
+        async for m in requests:
+            if m.WhichOneof("kind") == "abort":
+                session.cancel(m.abort)
+                continue
+            sub = m.submit
+            try:
+                task = asyncio.create_task(self._admit_in_session(session, sub))
+                session.open(sub.handle, task, sub.timeout_s)
+            except ValueError as e:
+                task.cancel()
+                session.fail(sub.handle, InvalidArgument(f"handle: {e}"))
+
+    async def _admit_in_session(self, session: Mux, sub: spb.SessionSubmit) -> None:
+        """One submission: admitted under its own SERVER span (a child of the client's), or failed
+        with the status ``Generate`` would have returned."""
+        parent = telemetry.extract_context(sub.trace_context)
+        span = _tracer.start_span(
+            "/strata.scheduler.v1.Scheduler/Generate", context=parent, kind=SpanKind.SERVER,
+            attributes={"rpc.system": "grpc", "strata.request_id": sub.request.request_id},
+        )  # fmt: skip
+        try:
+            with use_span(span, end_on_exit=False):  # the L3 lookup's client span hangs under it
+                req = await self._admit(sub.request, telemetry.inject_context())
+        except asyncio.CancelledError:
+            span.end()
+            raise
+        except Exception as e:
+            span.set_status(Status(StatusCode.ERROR, str(e)))
+            span.end()
+            session.fail(sub.handle, e)
+            return
+        session.running(sub.handle, req, span.end)
 
     async def Abort(self, request: spb.AbortRequest, context: grpc.aio.ServicerContext) -> spb.AbortResponse:
         return spb.AbortResponse(aborted=self.loop.abort(request.request_id))
@@ -190,7 +252,7 @@ def _final(rid: str, ev: FinishEvent) -> spb.GenerateResponse:
     usage = pb.Usage(
         prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens, cached_tokens=ev.cached_tokens
     )
-    return spb.GenerateResponse(request_id=rid, finish_reason=_FINISH[ev.reason], usage=usage, error=ev.error)
+    return spb.GenerateResponse(request_id=rid, finish_reason=FINISH_PB[ev.reason], usage=usage, error=ev.error)
 
 
 async def _manage_workers(cfg: SchedulerConfig, loop: SchedulerLoop, stop: asyncio.Event) -> None:

@@ -26,6 +26,7 @@ from services.common.errors import Unavailable
 from services.common.page_hash import PageKeying
 from services.common.server import CHANNEL_OPTIONS
 from services.tokenizer.kv_index import DEFAULT_LOAD_WEIGHT, Choice, Chooser, KvIndex, Policy
+from services.tokenizer.session import SchedulerSession
 from strata.scheduler.v1 import scheduler_pb2 as spb
 from strata.scheduler.v1 import scheduler_pb2_grpc as sgrpc
 
@@ -78,6 +79,7 @@ class Router:
         self._wait_s = wait_s
         self._discovery = Discovery(etcd, "scheduler") if etcd and not fixed else None
         self._channels: dict[str, tuple[grpc.aio.Channel, sgrpc.SchedulerStub]] = {}
+        self._sessions: dict[str, SchedulerSession] = {}
         self._aside: dict[str, float] = {}  # address -> until when other schedulers go first
         self.index = KvIndex()
         self.chooser = Chooser(self.index, policy, load_weight)
@@ -98,6 +100,9 @@ class Router:
             for address in self._watches.keys() - live:
                 self._watches.pop(address).cancel()
                 self.index.drop(address)
+                session = self._sessions.pop(address, None)
+                if session is not None:
+                    await session.close()
                 log.info("scheduler %s left: dropped from the cache index", address)
             await asyncio.sleep(WATCH_SYNC_S)
 
@@ -139,10 +144,11 @@ class Router:
 
     async def pick(
         self, exclude: set[str] | frozenset[str] = frozenset(), tokens: Sequence[int] = (), salt: str = ""
-    ) -> tuple[Ticket, sgrpc.SchedulerStub]:
+    ) -> tuple[Ticket, SchedulerSession]:
         """A scheduler for a request of ``tokens`` (its prompt) by the policy, among those not in
         ``exclude`` and not set aside (unless all are); waits up to ``wait_s`` for one to register,
-        then raises UNAVAILABLE. Call ``Ticket.first_token`` and ``Ticket.finish`` as it runs."""
+        then raises UNAVAILABLE. Call ``Ticket.first_token`` and ``Ticket.finish`` as it runs.
+        Returns the ticket and the session (one multiplexed stream) to submit the request on."""
         deadline = time.monotonic() + self._wait_s
         while not (addresses := [a for a in self._addresses() if a not in exclude]):
             if time.monotonic() > deadline:
@@ -155,7 +161,7 @@ class Router:
         uncached = len(tokens) - choice.overlap_tokens
         r.sent_tokens += uncached
         r.sent_running += 1
-        return Ticket(self, choice, uncached), self.stub(choice.address)
+        return Ticket(self, choice, uncached), self.session(choice.address)
 
     async def ready(self, timeout_s: float = 1.0) -> bool:
         """Whether some scheduler answers with at least one worker connected (``/health``)."""
@@ -167,6 +173,13 @@ class Router:
             if load.workers > 0:
                 return True
         return False
+
+    def session(self, address: str) -> SchedulerSession:
+        """The open session with ``address`` (a new one after the last broke)."""
+        s = self._sessions.get(address)
+        if s is None or s.broken:
+            s = self._sessions[address] = SchedulerSession(self.stub(address), address)
+        return s
 
     def stub(self, address: str) -> sgrpc.SchedulerStub:
         if address not in self._channels:
@@ -182,6 +195,8 @@ class Router:
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        for s in self._sessions.values():
+            await s.close()
         if self._discovery is not None:
             await self._discovery.stop()
         for channel, _ in self._channels.values():

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
@@ -28,6 +28,7 @@ from services.tokenizer.kv_index import Choice
 from services.tokenizer.model_files import ModelCard, load_tokenizer, read_card
 from services.tokenizer.openai_api import OpenAIFront
 from services.tokenizer.router import Router, Ticket
+from services.tokenizer.session import Chunk, Inbox
 from strata.scheduler.v1 import scheduler_pb2 as spb
 from strata.v1 import strata_pb2 as pb
 from strata.v1 import strata_pb2_grpc as pgrpc
@@ -44,9 +45,12 @@ T = TypeVar("T")
 class Relay(StrataError):
     """A scheduler's error status, passed on unchanged."""
 
-    def __init__(self, err: grpc.aio.AioRpcError) -> None:
-        super().__init__(err.details() or err.code().name)
-        self.code = err.code()
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
 class TokenizerMetrics:
@@ -211,42 +215,46 @@ class StrataServicer(pgrpc.StrataServicer):
             kind=SpanKind.CLIENT,
             attributes={"rpc.system": "grpc", "strata.request_id": rid},
         )
-        trace_md = tuple(telemetry.inject_context(set_span_in_context(span)).items())
-        call: grpc.aio.UnaryStreamCall | None = None
+        trace_context = telemetry.inject_context(set_span_in_context(span))
+        inbox: Inbox | None = None
         ticket: Ticket | None = None
         t0, first = time.perf_counter(), None
         previous = t0
         try:
-            call, resp, ticket = await self._open(rid, sreq, trace_md, timeout_s)
+            inbox, chunk, ticket = await self._open(rid, sreq, trace_context, timeout_s)
             span.set_attribute("strata.replica", ticket.choice.address)
             span.set_attribute("strata.predicted_cached_tokens", ticket.choice.overlap_tokens)
-            while resp is not grpc.aio.EOF:
+            while True:
                 final = pb.GenerateResponse(request_id=rid)
-                if resp.token_ids:
+                end = chunk.end
+                if end is not None and end.status_code:
+                    code = _CODES.get(end.status_code, grpc.StatusCode.UNKNOWN)
+                    span.set_status(Status(StatusCode.ERROR, f"{code.name}: {end.error}"))
+                    raise Relay(code, end.error or code.name)
+                if chunk.token_ids:
                     now = time.perf_counter()
                     if first is not None and self.metrics is not None:
-                        self.metrics.tokens(len(resp.token_ids), now - previous)
+                        self.metrics.tokens(len(chunk.token_ids), now - previous)
                     first, previous = first or now, now
-                    chunk = detok.feed(resp.token_ids)
-                    final.token_ids.extend(resp.token_ids)
-                    final.logprobs.extend(resp.logprobs)
-                    final.text = chunk.text
-                    completion += len(resp.token_ids)
-                    if chunk.stopped:  # a stop string: end here; cancelling frees the scheduler's slots
-                        call.cancel()
+                    out = detok.feed(chunk.token_ids)
+                    final.token_ids.extend(chunk.token_ids)
+                    final.logprobs.extend(chunk.logprobs)
+                    final.text = out.text
+                    completion += len(chunk.token_ids)
+                    if out.stopped:  # a stop string: end here; closing the inbox frees the scheduler's slots
                         final.finish_reason = pb.FINISH_REASON_STOP
                         final.usage.CopyFrom(
                             pb.Usage(
                                 prompt_tokens=len(ids),
                                 completion_tokens=completion,
-                                cached_tokens=resp.usage.cached_tokens,
+                                cached_tokens=inbox.cached_tokens,
                             )
                         )
-                if resp.finish_reason and not detok.stopped:
+                if end is not None and not detok.stopped:
                     final.text += detok.flush().text
-                    final.finish_reason = resp.finish_reason
-                    final.usage.CopyFrom(resp.usage)
-                    final.error = resp.error
+                    final.finish_reason = end.finish_reason
+                    final.usage.CopyFrom(end.usage)
+                    final.error = end.error
                 if request.stream:
                     yield final
                 else:
@@ -270,46 +278,40 @@ class StrataServicer(pgrpc.StrataServicer):
                             error=final.error,
                         )
                     return
-                resp = await call.read()
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.CANCELLED and detok.stopped:
-                return
-            span.set_status(Status(StatusCode.ERROR, f"{e.code().name}: {e.details()}"))
-            raise Relay(e) from e
+                chunk = await inbox.next()
         finally:
             self._running.pop(rid, None)
-            if call is not None:
-                call.cancel()
+            if inbox is not None:
+                inbox.close()
             if ticket is not None:
                 ticket.finish()
             span.end()
 
     async def _open(
-        self, rid: str, sreq: spb.GenerateRequest, metadata: tuple[tuple[str, str], ...], timeout_s: float | None
-    ) -> tuple[grpc.aio.UnaryStreamCall, Any, Ticket]:
-        """Start ``sreq`` on a scheduler and read its first response. A scheduler that is
+        self, rid: str, sreq: spb.GenerateRequest, trace_context: dict[str, str], timeout_s: float | None
+    ) -> tuple[Inbox, Chunk, Ticket]:
+        """Submit ``sreq`` to a scheduler and wait for its first chunk. A scheduler that is
         unreachable (or has no worker) before answering anything is set aside for a moment and
         the next one is tried, so a dead or restarted scheduler costs a request nothing while
         another serves."""
         tried: set[str] = set()
+        unavailable = grpc.StatusCode.UNAVAILABLE.value[0]
         while True:
-            ticket, stub = await self.router.pick(exclude=tried, tokens=sreq.input_ids, salt=sreq.cache_salt)
+            ticket, session = await self.router.pick(exclude=tried, tokens=sreq.input_ids, salt=sreq.cache_salt)
             address = ticket.choice.address
             self._running[rid] = address
-            # The client's deadline goes with the call: the scheduler drops the request when it passes.
-            call = stub.Generate(sreq, metadata=metadata, timeout=timeout_s)
-            try:
-                first = await call.read()
-            except grpc.aio.AioRpcError as e:
+            # The client's deadline goes with the request: the scheduler drops it when it passes.
+            inbox = session.submit(sreq, trace_context, timeout_s)
+            first = await inbox.next()
+            end = first.end
+            if end is not None and end.status_code == unavailable and len(tried) + 1 < self.router.count():
                 ticket.finish()
-                if e.code() != grpc.StatusCode.UNAVAILABLE or len(tried) + 1 >= self.router.count():
-                    raise
-                log.info("scheduler %s unavailable (%s); trying another", address, e.details())
+                log.info("scheduler %s unavailable (%s); trying another", address, end.error)
                 self.router.set_aside(address)
                 tried.add(address)
                 continue
             ticket.first_token()
-            return call, first, ticket
+            return inbox, first, ticket
 
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
