@@ -22,6 +22,7 @@ forward by ``plan_attention`` and reused by every layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -127,11 +128,15 @@ def plan_attention(
     decodes = [b for b in range(batch) if extend_lens[b] == 1]
     extends = _extend_passes(req_to_token, rows, start_pos, extend_lens, kv_start, cu)
     if native_decode and decodes:
-        ranges = [req_to_token[rows[b], kv_start[b] : start_pos[b] + 1] for b in decodes]
-        offsets = [0]
-        for r in ranges:
-            offsets.append(offsets[-1] + r.numel())
-        paged = PagedDecodes(torch.tensor([cu[b] for b in decodes], dtype=torch.int64), torch.cat(ranges),
+        # Decode b reads row rows[b] from kv_start[b] through start_pos[b]: the ranges are gathered
+        # in one indexing (slicing the table once per decode cost microseconds each).
+        lens = [start_pos[b] + 1 - kv_start[b] for b in decodes]
+        offsets = [0, *accumulate(lens)]
+        counts = torch.tensor(lens, dtype=torch.int64)
+        table_rows = torch.tensor([rows[b] for b in decodes], dtype=torch.int64).repeat_interleave(counts)
+        shift = torch.tensor([kv_start[b] - o for b, o in zip(decodes, offsets[:-1], strict=True)], dtype=torch.int64)
+        cols = torch.arange(offsets[-1]) + shift.repeat_interleave(counts)
+        paged = PagedDecodes(torch.tensor([cu[b] for b in decodes], dtype=torch.int64), req_to_token[table_rows, cols],
                              torch.tensor(offsets, dtype=torch.int64))
         return AttentionPlan(cu[-1], shared, [], extends, [], torch.empty(0, dtype=torch.int64), paged)
     runs: list[RunPass] = []

@@ -36,6 +36,17 @@ def _bad_steps(e: Engine) -> dict[str, StepRequest]:
     }
 
 
+def _malformed_messages() -> dict[str, wpb.StepRequest]:
+    """Steps whose columns do not describe one batch, keyed by the field the error must name."""
+    msgs = {}
+    for field in ("batch.start_pos", "batch.new_slots", "batch.sampling_index"):
+        msg = step_codec.step_to_pb(StepRequest(1, reqs=[ReqInput("r", 0, [5, 6], 0, [0, 1])]))
+        column = getattr(msg.batch, field.split(".")[1])
+        column.append(column[-1])
+        msgs[field] = msg
+    return msgs
+
+
 def test_bad_steps_are_invalid_argument_and_pools_survive(engine: Engine) -> None:
     async def main() -> None:
         server = Server()
@@ -52,13 +63,20 @@ def test_bad_steps_are_invalid_argument_and_pools_survive(engine: Engine) -> Non
                         await call.read()
                     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
                     assert err.value.details(), name
+                for name, msg in _malformed_messages().items():
+                    call = stub.Step()
+                    await call.write(msg)
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await call.read()
+                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+                    assert name in err.value.details(), (name, err.value.details())
                 assert bool((engine.kv.k[0] == k0).all())  # nothing was written
                 # A good step on a fresh stream still works.
                 call = stub.Step()
                 good = StepRequest(2, reqs=[ReqInput("r", 0, [5, 6], 0, [0, 1])])
                 await call.write(step_codec.step_to_pb(good))
                 res = await call.read()
-                assert isinstance(res, wpb.StepResult) and len(res.outputs) == 1
+                assert isinstance(res, wpb.StepResult) and len(res.token_ids) == 1
                 await call.done_writing()
         finally:
             await server.stop(0)

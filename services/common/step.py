@@ -222,7 +222,9 @@ class TokenLogprob:
 
 @dataclass(frozen=True, slots=True)
 class ReqOutput:
-    request_id: str
+    """The sample of one request with ``sample=True``; a step's outputs follow its requests' order
+    (which is how the scheduler matches them, so no request id travels back)."""
+
     row: int
     token_id: int
     logprob: TokenLogprob | None = None

@@ -1,9 +1,16 @@
 """Conversion between ``strata.worker.v1`` messages and ``services.common.step`` types.
 
 Used only at the gRPC edge: by the scheduler's gRPC worker link and by the worker servicer.
+
+The batch travels as columns (``ReqColumns``) and the samples as two packed lists: the per-request
+cost of a step on the wire is a few list entries, not a protobuf submessage per request, which is
+what a decode step of hundreds of requests spends its CPU on otherwise.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import accumulate, chain, pairwise
 
 from services.common.step import (
     CacheOp,
@@ -127,58 +134,137 @@ def _op_from_pb(m: wpb.CacheOp) -> CacheOp:
     raise ValueError(f"cache op with no operation set ({kind!r})")
 
 
+# The bits of ReqColumns.flags.
+_SAMPLE = wpb.REQ_FLAG_SAMPLE
+_USE_LAST_SAMPLE = wpb.REQ_FLAG_USE_LAST_SAMPLE
+_RETURN_LOGPROBS = wpb.REQ_FLAG_RETURN_LOGPROBS
+_MASK_FOLLOWS = wpb.REQ_FLAG_MASK_FOLLOWS
+_ALL_FLAGS = _SAMPLE | _USE_LAST_SAMPLE | _RETURN_LOGPROBS | _MASK_FOLLOWS
+
+# The columns of ReqColumns with one entry per request (``rows`` sets the count).
+_PER_REQUEST = (
+    "request_ids", "start_pos", "num_input_ids", "num_prefix_slots", "num_new_slots", "mamba_slots", "flags",
+    "seeds", "output_index", "top_logprobs", "sampling_index",
+)  # fmt: skip
+
+
 def step_to_pb(s: StepRequest) -> wpb.StepRequest:
-    reqs = [
-        wpb.ReqInput(
-            request_id=r.request_id,
-            row=r.row,
-            input_ids=r.input_ids,
-            start_pos=r.start_pos,
-            prefix_slots=r.prefix_slots,
-            new_slots=r.new_slots,
-            mamba_slot=-1 if r.mamba_slot is None else r.mamba_slot,
-            sample=r.sample,
-            sampling=sampling_to_pb(r.sampling),
-            seed=r.seed,
-            output_index=r.output_index,
-            history_ids=r.history_ids,
-            token_bitmask=r.token_bitmask or b"",
-            return_logprobs=r.return_logprobs,
-            top_logprobs=r.top_logprobs,
-            use_last_sample=r.use_last_sample,
-            trace_context=r.trace_context,
-            mask_follows=r.mask_follows,
-        )
-        for r in s.reqs
-    ]
-    return wpb.StepRequest(step_id=s.step_id, ops=[_op_to_pb(o) for o in s.ops], reqs=reqs)
+    m = wpb.StepRequest(step_id=s.step_id, ops=[_op_to_pb(o) for o in s.ops])
+    if s.reqs:
+        m.batch.CopyFrom(_batch_to_pb(s.reqs))
+    return m
 
 
 def step_from_pb(m: wpb.StepRequest) -> StepRequest:
+    """Raises ``ValueError`` naming the field when the columns do not describe one batch."""
+    return StepRequest(step_id=m.step_id, ops=[_op_from_pb(o) for o in m.ops], reqs=_batch_from_pb(m.batch))
+
+
+def _batch_to_pb(reqs: list[ReqInput]) -> wpb.ReqColumns:
+    """One column per field: the per-request cost is a few list appends, not a submessage."""
+    table: dict[SamplingParams, int] = {}  # the batch's distinct parameters (usually one)
+    sampling_index = [table.setdefault(r.sampling, len(table)) for r in reqs]
+    return wpb.ReqColumns(
+        request_ids=[r.request_id for r in reqs],
+        rows=[r.row for r in reqs],
+        start_pos=[r.start_pos for r in reqs],
+        num_input_ids=[len(r.input_ids) for r in reqs],
+        input_ids=list(chain.from_iterable(r.input_ids for r in reqs)),
+        num_prefix_slots=[len(r.prefix_slots) for r in reqs],
+        prefix_slots=list(chain.from_iterable(r.prefix_slots for r in reqs)),
+        num_new_slots=[len(r.new_slots) for r in reqs],
+        new_slots=list(chain.from_iterable(r.new_slots for r in reqs)),
+        mamba_slots=[-1 if r.mamba_slot is None else r.mamba_slot for r in reqs],
+        flags=[
+            _SAMPLE * r.sample
+            | _USE_LAST_SAMPLE * r.use_last_sample
+            | _RETURN_LOGPROBS * r.return_logprobs
+            | _MASK_FOLLOWS * r.mask_follows
+            for r in reqs
+        ],
+        seeds=[r.seed for r in reqs],
+        output_index=[r.output_index for r in reqs],
+        top_logprobs=[r.top_logprobs for r in reqs],
+        sampling_table=[sampling_to_pb(p) for p in table],
+        sampling_index=sampling_index,
+        extras=[
+            wpb.ReqExtra(
+                index=i, history_ids=r.history_ids, token_bitmask=r.token_bitmask or b"", trace_context=r.trace_context
+            )
+            for i, r in enumerate(reqs)
+            if r.history_ids or r.token_bitmask or r.trace_context
+        ],
+    )
+
+
+def _batch_from_pb(m: wpb.ReqColumns) -> list[ReqInput]:
+    """Check the columns' shape (counts, sums, flag bits, indices); what they mean against the
+    worker's pools is ``check_step``'s job."""
+    n = len(m.rows)
+    for name in _PER_REQUEST:
+        if len(getattr(m, name)) != n:
+            raise ValueError(f"batch.{name} has {len(getattr(m, name))} entries for {n} requests (batch.rows)")
+    flags = list(m.flags)
+    bad = next((i for i, f in enumerate(flags) if f & ~_ALL_FLAGS), None)
+    if bad is not None:
+        raise ValueError(f"batch.flags[{bad}]={flags[bad]} sets bits outside ReqFlag ({_ALL_FLAGS:#x})")
+    table = [sampling_from_pb(p) for p in m.sampling_table]
+    sampling_index = list(m.sampling_index)
+    if sampling_index and max(sampling_index) >= len(table):
+        bad = next(i for i, k in enumerate(sampling_index) if k >= len(table))
+        raise ValueError(
+            f"batch.sampling_index[{bad}]={sampling_index[bad]} is outside the sampling_table "
+            f"({len(table)} entries)"
+        )
     reqs = [
         ReqInput(
-            request_id=r.request_id,
-            row=r.row,
-            input_ids=list(r.input_ids),
-            start_pos=r.start_pos,
-            new_slots=list(r.new_slots),
-            prefix_slots=list(r.prefix_slots),
-            mamba_slot=None if r.mamba_slot < 0 else r.mamba_slot,
-            sample=r.sample,
-            sampling=sampling_from_pb(r.sampling),
-            seed=r.seed,
-            output_index=r.output_index,
-            history_ids=list(r.history_ids),
-            token_bitmask=r.token_bitmask or None,
-            return_logprobs=r.return_logprobs,
-            top_logprobs=r.top_logprobs,
-            use_last_sample=r.use_last_sample,
-            trace_context=dict(r.trace_context),
-            mask_follows=r.mask_follows,
+            request_id=rid,
+            row=row,
+            input_ids=ids,
+            start_pos=start,
+            new_slots=new,
+            prefix_slots=prefix,
+            mamba_slot=None if mamba < 0 else mamba,
+            sample=bool(f & _SAMPLE),
+            sampling=table[k],
+            seed=seed,
+            output_index=index,
+            return_logprobs=bool(f & _RETURN_LOGPROBS),
+            top_logprobs=top,
+            use_last_sample=bool(f & _USE_LAST_SAMPLE),
+            mask_follows=bool(f & _MASK_FOLLOWS),
         )
-        for r in m.reqs
+        for rid, row, start, ids, prefix, new, mamba, f, k, seed, index, top in zip(
+            m.request_ids, m.rows, m.start_pos,
+            _split(m.input_ids, m.num_input_ids, "input_ids"),
+            _split(m.prefix_slots, m.num_prefix_slots, "prefix_slots"),
+            _split(m.new_slots, m.num_new_slots, "new_slots"),
+            m.mamba_slots, flags, sampling_index, m.seeds, m.output_index, m.top_logprobs,
+            strict=True,
+        )
     ]
-    return StepRequest(step_id=m.step_id, ops=[_op_from_pb(o) for o in m.ops], reqs=reqs)
+    last = -1
+    for e in m.extras:
+        if not last < e.index < n:
+            raise ValueError(
+                f"batch.extras: index {e.index} after {last} (indices must increase, each in [0, {n}))"
+            )
+        last = e.index
+        r = reqs[e.index]
+        r.history_ids = list(e.history_ids)
+        r.token_bitmask = e.token_bitmask or None
+        r.trace_context = dict(e.trace_context)
+    return reqs
+
+
+def _split(flat: Sequence[int], counts: Sequence[int], name: str) -> list[list[int]]:
+    """``flat`` cut into consecutive lists of ``counts[i]`` entries (the ``name`` column)."""
+    ends = list(accumulate(counts))
+    total = ends[-1] if ends else 0
+    if total != len(flat):
+        raise ValueError(f"batch.{name} has {len(flat)} entries but batch.num_{name} adds up to {total}")
+    values = list(flat)
+    return [values[a:b] for a, b in pairwise([0, *ends])]
 
 
 def late_masks_to_pb(m: LateMasks) -> wpb.StepRequest:
@@ -193,15 +279,16 @@ def late_masks_from_pb(m: wpb.StepRequest) -> LateMasks | None:
 
 
 def result_to_pb(r: StepResult) -> wpb.StepResult:
-    outs = []
-    for o in r.outputs:
-        out = wpb.ReqOutput(request_id=o.request_id, row=o.row, token_id=o.token_id)
-        if o.logprob is not None:
-            out.logprob.CopyFrom(logprob_to_pb(o.logprob))
-        outs.append(out)
+    outs = r.outputs
     return wpb.StepResult(
         step_id=r.step_id,
-        outputs=outs,
+        sampled_rows=[o.row for o in outs],
+        token_ids=[o.token_id for o in outs],
+        logprobs=[
+            wpb.SampleLogprob(index=i, logprob=logprob_to_pb(o.logprob))
+            for i, o in enumerate(outs)
+            if o.logprob is not None
+        ],
         ops_done=r.ops_done,
         forward_s=r.forward_s,
         sample_s=r.sample_s,
@@ -215,12 +302,19 @@ def result_to_pb(r: StepResult) -> wpb.StepResult:
 
 
 def result_from_pb(m: wpb.StepResult) -> StepResult:
-    outs = [
-        ReqOutput(
-            o.request_id, o.row, o.token_id, logprob_from_pb(o.logprob) if o.HasField("logprob") else None
-        )
-        for o in m.outputs
-    ]
+    """Raises ``ValueError`` naming the field when the sample columns do not line up."""
+    rows, tokens = m.sampled_rows, m.token_ids
+    if len(rows) != len(tokens):
+        raise ValueError(f"result token_ids has {len(tokens)} entries for {len(rows)} sampled_rows")
+    outs = [ReqOutput(row, token) for row, token in zip(rows, tokens, strict=True)]
+    last = -1
+    for e in m.logprobs:
+        if not last < e.index < len(outs):
+            raise ValueError(
+                f"result logprobs: index {e.index} after {last} (indices must increase, each in [0, {len(outs)}))"
+            )
+        last = e.index
+        outs[e.index] = ReqOutput(rows[e.index], tokens[e.index], logprob_from_pb(e.logprob))
     return StepResult(
         step_id=m.step_id,
         outputs=outs,

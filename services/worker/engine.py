@@ -49,14 +49,16 @@ from services.common.step import (
     ReleaseRow,
     ReqInput,
     ReqOutput,
+    SamplingParams,
     StateBackup,
     StateLoad,
     StepError,
     StepRequest,
     StepResult,
+    TokenLogprob,
     WorkerInfo,
 )
-from services.worker.batch import BatchEntry, ForwardBatch, ForwardContext
+from services.worker.batch import BatchInput, ForwardBatch, ForwardContext
 from services.worker.engine_config import DTYPES, EngineConfig
 from services.worker.host_cache import HostPool
 from services.worker.host_malloc import keep_large_blocks_on_heap
@@ -335,20 +337,21 @@ class Engine:
             mamba.resize(op.mamba_slots)
 
     def _forward(self, reqs: list[ReqInput], all_logits: bool) -> torch.Tensor:
-        entries: list[BatchEntry] = []
-        runs: list[tuple[int, int, list[int]]] = []
-        for r in reqs:
-            ids = [self._last_sample[r.row]] if r.use_last_sample else list(r.input_ids)
-            if r.prefix_slots:
-                runs.append((r.row, 0, list(r.prefix_slots)))
-            runs.append((r.row, r.start_pos, list(r.new_slots)))
-            self._row_len[r.row] = r.start_pos + len(ids)
-            if r.history_ids:
-                self._history[r.row] = list(r.history_ids)
-            entries.append(BatchEntry(r.row, r.start_pos, ids, list(r.new_slots), r.mamba_slot, r.sample))
-        self.req_to_token.write_runs(runs)
+        """Write the step's slots into req_to_token and run the model; list operations over the
+        batch rather than a loop per request (a decode step holds hundreds)."""
+        last = self._last_sample
+        rows = [r.row for r in reqs]
+        start = [r.start_pos for r in reqs]
+        ids = [[last[r.row]] if r.use_last_sample else r.input_ids for r in reqs]
+        new_slots = [r.new_slots for r in reqs]
+        prefixes = [(r.row, 0, r.prefix_slots) for r in reqs if r.prefix_slots]  # row[0:start_pos] first
+        self.req_to_token.write_runs(prefixes + list(zip(rows, start, new_slots, strict=True)))
+        self._row_len.update(zip(rows, (s + len(x) for s, x in zip(start, ids, strict=True)), strict=True))
+        self._history.update((r.row, list(r.history_ids)) for r in reqs if r.history_ids)
+        mamba = [r.mamba_slot for r in reqs if r.mamba_slot is not None]
+        inp = BatchInput(rows, start, ids, new_slots, mamba or None, [r.sample for r in reqs])
         batch = ForwardBatch.build(
-            entries, self.device, all_logits=all_logits, slot_table=self.req_to_token.host,
+            inp, self.device, all_logits=all_logits, slot_table=self.req_to_token.host,
             attention=self.cfg.attention, native_decode=self._native_decode,
         )
         return self.model.forward(batch, self._ctx)
@@ -356,33 +359,47 @@ class Engine:
     def _sample(
         self, reqs: list[ReqInput], masks: list[torch.Tensor | None], logits: torch.Tensor
     ) -> list[ReqOutput]:
+        """One token per request with ``sample``; ``logits`` row j belongs to the j-th of them.
+
+        Plain greedy rows (no penalties, mask or logprobs: every row of the usual decode batch)
+        are one argmax over the batch; only the other rows become ``SamplerInput``s. The sampler
+        treats each row on its own (its draws depend only on seed and output index), so sampling
+        a subset gives each row the token it would get in the whole batch.
+        """
         chosen = [i for i, r in enumerate(reqs) if r.sample]
-        inputs = []
-        for i in chosen:
-            r = reqs[i]
-            penal = r.sampling.has_penalties
-            inputs.append(
-                SamplerInput(
-                    params=r.sampling,
-                    seed=r.seed,
-                    output_index=r.output_index,
-                    history=self._history.setdefault(r.row, []) if penal else None,
-                    bitmask=_to(masks[i], self.device),
-                    return_logprobs=r.return_logprobs,
-                    top_logprobs=r.top_logprobs,
+        general = [
+            j
+            for j, i in enumerate(chosen)
+            if masks[i] is not None or reqs[i].return_logprobs or not _plain_greedy(reqs[i].sampling)
+        ]
+        tokens: list[int] = logits.argmax(dim=1).tolist() if len(general) < len(chosen) else [0] * len(chosen)
+        logprobs: dict[int, TokenLogprob] = {}
+        if general:
+            inputs = []
+            for j in general:
+                r = reqs[chosen[j]]
+                inputs.append(
+                    SamplerInput(
+                        params=r.sampling,
+                        seed=r.seed,
+                        output_index=r.output_index,
+                        history=self._history.setdefault(r.row, []) if r.sampling.has_penalties else None,
+                        bitmask=_to(masks[chosen[j]], self.device),
+                        return_logprobs=r.return_logprobs,
+                        top_logprobs=r.top_logprobs,
+                    )
                 )
-            )
-        try:
-            picks = sample(logits, inputs)
-        except ValueError as e:
-            raise StepError(f"sampling failed: {e}") from e
-        self._record_samples(reqs, [p.token_id for p in picks])
-        outputs = []
-        for i, pick in zip(chosen, picks, strict=True):
-            r = reqs[i]
-            logprob = pick if r.return_logprobs else None
-            outputs.append(ReqOutput(r.request_id, r.row, pick.token_id, logprob))
-        return outputs
+            rows = logits.index_select(0, torch.tensor(general, device=logits.device))
+            try:
+                picks = sample(rows, inputs)
+            except ValueError as e:
+                raise StepError(f"sampling failed: {e}") from e
+            for j, x, pick in zip(general, inputs, picks, strict=True):
+                tokens[j] = pick.token_id
+                if x.return_logprobs:
+                    logprobs[j] = pick
+        self._record_samples(reqs, tokens)
+        return [ReqOutput(reqs[i].row, t, logprobs.get(j)) for j, (i, t) in enumerate(zip(chosen, tokens, strict=True))]
 
     def _record_samples(self, reqs: list[ReqInput], ids: list[int]) -> None:
         """Remember each sampling request's token: the next decode's input and penalty history."""
@@ -417,6 +434,11 @@ def _host_tier(
             "host_state_share"
         ) from e
     return HostTier(pool, l3, states=states, tp_rank=tp.rank, tp_size=tp.size)
+
+
+def _plain_greedy(p: SamplingParams) -> bool:
+    """Greedy with no penalties: the token is the row's argmax of the raw logits."""
+    return p.greedy and not p.has_penalties
 
 
 def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

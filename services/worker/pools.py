@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from services.worker.batch import int64_tensor
 from services.worker.elastic import ElasticPool, ElasticPoolLayout, ResizeResult
 from services.worker.pool_backing import BackingChoice, choose_backing, held_bytes
 
@@ -221,7 +222,7 @@ class ReqToTokenTable:
             values.extend(slots)
         if not values:
             return
-        idx = torch.tensor([rows, cols, values], dtype=torch.int64)
+        idx = int64_tensor(rows + cols + values).view(3, -1)
         self.table[idx[0].to(self.table.device), idx[1].to(self.table.device)] = idx[2].to(self.table.device)
         if self.host is not self.table:
             self.host[idx[0], idx[1]] = idx[2]

@@ -12,6 +12,8 @@ capacities that later ops and the step's requests are checked against.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -92,17 +94,89 @@ def check_step(
         else:
             raise StepError(f"{where}: unknown op type")
 
+    limits = _Limits(num_rows, num_slots, num_mamba_slots, hybrid, max_context, vocab_size, max_top_logprobs)
+    if not _batch_passes(req.reqs, limits, sampled, lengths):
+        return _check_each(req.reqs, limits, sampled, lengths)
+    return [
+        None if r.token_bitmask is None else decode_bitmask(r.token_bitmask, vocab_size, _where(r))
+        for r in req.reqs
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class _Limits:
+    """What a step's requests are checked against (after the step's ops)."""
+
+    num_rows: int
+    num_slots: int
+    num_mamba_slots: int
+    hybrid: bool
+    max_context: int
+    vocab_size: int
+    max_top_logprobs: int
+
+
+def _where(r: ReqInput) -> str:
+    return f"request {r.request_id!r} (row {r.row})"
+
+
+def _batch_passes(reqs: list[ReqInput], lim: _Limits, sampled: set[int], lengths: Mapping[int, int]) -> bool:
+    """Whether ``_check_each`` accepts every request, decided with a few list and set operations
+    over the whole batch: a decode of hundreds of requests is the common case, and the loop spent
+    microseconds per request on it. Never True for a batch the loop refuses (it may be False for
+    one the loop accepts: then the loop decides), so the loop alone words the errors."""
+    if not reqs:
+        return True
+    rows = [r.row for r in reqs]
+    num_new = [r.num_new for r in reqs]
+    new_slots = list(chain.from_iterable(r.new_slots for r in reqs))
+    mamba = [r.mamba_slot for r in reqs if r.mamba_slot is not None]
+    return (
+        len(mamba) == (len(reqs) if lim.hybrid else 0)  # every request has one, or none does
+        and _within(mamba, lim.num_mamba_slots)
+        and len(set(mamba)) == len(mamba)
+        and _within(rows, lim.num_rows)
+        and len(set(rows)) == len(rows)
+        and sampled.issuperset(r.row for r in reqs if r.use_last_sample)
+        and all(r.input_ids or r.use_last_sample for r in reqs)
+        and _within(list(chain.from_iterable(r.input_ids for r in reqs)), lim.vocab_size)
+        and min(r.start_pos for r in reqs) >= 0
+        and max(r.start_pos + n for r, n in zip(reqs, num_new, strict=True)) <= lim.max_context
+        and all(
+            len(r.prefix_slots) == r.start_pos if r.prefix_slots else r.start_pos <= lengths.get(r.row, 0)
+            for r in reqs
+        )
+        and [len(r.new_slots) for r in reqs] == num_new
+        and _within(new_slots, lim.num_slots)
+        and len(set(new_slots)) == len(new_slots)
+        and _within(list(chain.from_iterable(r.prefix_slots for r in reqs)), lim.num_slots)
+        and _within([r.top_logprobs for r in reqs], lim.max_top_logprobs + 1)
+        and _within(list(chain.from_iterable(r.history_ids for r in reqs)), lim.vocab_size)
+    )
+
+
+def _within(values: list[int], size: int) -> bool:
+    """Every value in ``[0, size)``; an empty list passes."""
+    return not values or (min(values) >= 0 and max(values) < size)
+
+
+def _check_each(
+    reqs: list[ReqInput], lim: _Limits, sampled: set[int], lengths: Mapping[int, int]
+) -> list[torch.Tensor | None]:
+    """Request by request: ``StepError`` for the first problem, naming the request and field."""
+    num_rows, num_slots, num_mamba_slots, hybrid = lim.num_rows, lim.num_slots, lim.num_mamba_slots, lim.hybrid
+    vocab_size, max_context, max_top_logprobs = lim.vocab_size, lim.max_context, lim.max_top_logprobs
     masks: list[torch.Tensor | None] = []
     seen_rows: set[int] = set()
     seen_mamba: set[int] = set()
     seen_slots: set[int] = set()
-    for r in req.reqs:
+    for r in reqs:
         where = f"request {r.request_id!r}"
         _in_range(r.row, num_rows, f"{where} row")
         if r.row in seen_rows:
             raise StepError(f"{where}: row {r.row} appears twice in one step")
         seen_rows.add(r.row)
-        where = f"request {r.request_id!r} (row {r.row})"
+        where = _where(r)
         _check_tokens(r, where, vocab_size, sampled, max_context, lengths)
         _check_slots(r, where, num_slots, seen_slots)
         if not hybrid:

@@ -1,0 +1,74 @@
+"""``check_step`` decides a batch with list operations over all its requests and words an error
+with a loop over them; the two must agree on every batch, or a bad request would reach the pools
+(or a good batch would pay for the loop)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from services.common.step import ReqInput, StepError
+from services.worker.step_check import _batch_passes, _check_each, _Limits
+
+ROWS, SLOTS, MAMBA, CONTEXT, VOCAB = 4, 32, 3, 8, 10
+SAMPLED, LENGTHS = {0, 2}, {0: 3, 1: 1, 2: 7}  # rows with a last sample / positions each row holds
+
+
+def _good_batch(rng: random.Random, hybrid: bool) -> list[ReqInput]:
+    """Requests on distinct rows, slots and Mamba slots that pass every check."""
+    slots = iter(rng.sample(range(SLOTS), SLOTS))
+    reqs = []
+    for i, row in enumerate(rng.sample(range(ROWS), rng.choice([1, 2, 3]))):
+        use_last = row in SAMPLED and rng.random() < 0.5
+        start = rng.randint(0, LENGTHS.get(row, 0))
+        n = 1 if use_last else rng.randint(1, CONTEXT - start)  # start <= 7 < CONTEXT
+        reqs.append(ReqInput(
+            "r", row, [] if use_last else [rng.randrange(VOCAB) for _ in range(n)], start,
+            [next(slots) for _ in range(n)], mamba_slot=i if hybrid else None, use_last_sample=use_last,
+            top_logprobs=rng.choice([0, 20]), history_ids=rng.sample(range(VOCAB), rng.choice([0, 2])),
+        ))  # fmt: skip
+    return reqs
+
+
+def _corruptions(rng: random.Random) -> list[Callable[[ReqInput], None]]:
+    """Each moves one field to a value that may or may not break a limit."""
+
+    def pick() -> int:
+        return rng.randint(-1, SLOTS)
+
+    def setter(name: str, value: Callable[[], object]) -> Callable[[ReqInput], None]:
+        return lambda r: setattr(r, name, value())
+
+    return [
+        setter("row", lambda: rng.randint(-1, ROWS)),
+        setter("start_pos", lambda: rng.randint(-1, CONTEXT)),
+        setter("input_ids", lambda: [rng.randint(-1, VOCAB) for _ in range(rng.randint(0, 2))]),
+        setter("new_slots", lambda: [pick() for _ in range(rng.randint(0, 2))]),
+        setter("prefix_slots", lambda: [pick() for _ in range(rng.randint(1, 3))]),
+        setter("mamba_slot", lambda: rng.choice([None, -1, 0, 1, MAMBA])),
+        setter("use_last_sample", lambda: rng.random() < 0.5),
+        setter("top_logprobs", lambda: rng.choice([-1, 0, 21])),
+        setter("history_ids", lambda: [rng.randint(-1, VOCAB)]),
+    ]
+
+
+def test_the_batch_check_agrees_with_the_loop() -> None:
+    rng = random.Random(0)
+    corruptions = _corruptions(rng)
+    outcomes = {True: 0, False: 0}
+    for _ in range(20000):
+        hybrid = rng.random() < 0.5
+        lim = _Limits(ROWS, SLOTS, MAMBA if hybrid else 0, hybrid, CONTEXT, VOCAB, max_top_logprobs=20)
+        reqs = _good_batch(rng, hybrid)
+        for _ in range(rng.choice([0, 1, 1, 2])):
+            rng.choice(corruptions)(rng.choice(reqs))
+        if any(r.use_last_sample and r.input_ids for r in reqs):
+            continue  # ids the decode ignores: the batch check refuses them, the loop does not care
+        try:
+            _check_each(reqs, lim, SAMPLED, LENGTHS)
+            accepted = True
+        except StepError:
+            accepted = False
+        assert _batch_passes(reqs, lim, SAMPLED, LENGTHS) == accepted, reqs
+        outcomes[accepted] += 1
+    assert min(outcomes.values()) > 3000, outcomes  # both verdicts were really exercised
