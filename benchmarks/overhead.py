@@ -222,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="write the runs as JSON here")
     p.add_argument("--profile", type=Path, default=None, help="py-spy every service in one more run per front")
     p.add_argument("--run-dir", type=Path, default=None, help="the services' logs (default: a temporary folder)")
+    p.add_argument("--worker-arg", action="append", default=[], help="an extra worker flag (repeatable)")
     a = p.parse_args(argv)
     cfg = Config(a.model, a.streams, a.tokens, a.prompt_len, a.repeats, a.out, a.profile, a.run_dir)
 
@@ -232,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     slots = cfg.streams * (cfg.prompt_len + cfg.tokens + 64)
     st = start_stack(
         cfg.model, free_port(), run_dir, http_port=free_port(),
-        worker_args=("--max-rows", str(cfg.streams), "--kv-cache-bytes", str(max(slots * 1024, 64 << 20))),
+        worker_args=("--max-rows", str(cfg.streams), "--kv-cache-bytes", str(max(slots * 1024, 64 << 20)),
+                     *a.worker_arg),
         scheduler_args=("--max-running", str(cfg.streams), "--max-waiting", str(4 * cfg.streams)),
         say=lambda line: print("  " + line, flush=True),
     )  # fmt: skip

@@ -18,7 +18,7 @@ from services.common import step_codec, telemetry, validation
 from services.common.discovery import Discovery, Registration, ServiceRecord, advertised_address
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from services.common.metrics import serve_metrics
-from services.common.server import Server, run_service
+from services.common.server import Server, run_service, settle_heap
 from services.scheduler.budget_ledger import BudgetLedger
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.grammar import Constraint, GrammarService, Matcher
@@ -321,6 +321,7 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event, ready: asyncio.Event 
         asyncio.create_task(_manage_workers(cfg, loop, stop), name="worker watcher"),
     ]
     log.info("scheduler serving on %s", address)
+    settle_heap()
     print(f"READY scheduler {address}{metrics}", flush=True)
     if ready is not None:
         ready.set()

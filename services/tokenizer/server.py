@@ -20,7 +20,7 @@ from services.common.auth import ApiKeys, AuthInterceptor
 from services.common.discovery import ModelRegistry, Registration, ServiceRecord, advertised_address
 from services.common.errors import AlreadyExists, InvalidArgument, StrataError
 from services.common.metrics import LENGTH_BUCKETS, REQUEST_BUCKETS_S, MetricFactory, serve_metrics
-from services.common.server import Server, run_service
+from services.common.server import Server, run_service, settle_heap
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.http_server import HttpServer
@@ -406,6 +406,7 @@ async def serve(cfg: TokenizerConfig, stop: asyncio.Event) -> None:
         registration = Registration(cfg.etcd, record)
         await registration.start()
     log.info("tokenizer serving strata.v1.Strata on %s", address)
+    settle_heap()
     print(ready_line, flush=True)
     await stop.wait()
     if http is not None:

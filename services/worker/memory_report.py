@@ -42,7 +42,16 @@ def tensors() -> Tensors:
     seen: dict[int, int] = {}
     with warnings.catch_warnings():  # isinstance on torch.distributed's deprecated aliases warns
         warnings.simplefilter("ignore", FutureWarning)
-        found = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+        # Objects frozen after start-up (settle_heap: the weights) are outside get_objects():
+        # thaw them for the count and freeze again (a rare call, not on the token path).
+        frozen = gc.get_freeze_count()
+        if frozen:
+            gc.unfreeze()
+        try:
+            found = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+        finally:
+            if frozen:
+                gc.freeze()
     for o in found:
         if o.is_meta:
             continue

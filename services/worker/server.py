@@ -17,7 +17,7 @@ from services.common import glibc_heap, step_codec, telemetry
 from services.common.discovery import ModelRegistry, Registration, ServiceRecord, advertised_address
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.metrics import MetricFactory, serve_metrics
-from services.common.server import Server, run_service
+from services.common.server import Server, run_service, settle_heap
 from services.common.step import LateMasks, StepRequest, StepResult
 from services.worker import memory_report, tp_group
 from services.worker.config import WorkerConfig
@@ -235,6 +235,7 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
         "on" if info.l3 else "off",
         info.tp_size,
     )
+    settle_heap()
     print(f"READY worker {address}{metrics}", flush=True)
     failed = asyncio.ensure_future(followers.failure()) if followers is not None else None
     alive = (
