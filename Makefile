@@ -9,11 +9,12 @@ TINY := $(MODELS)/qwen3-tiny
 TINY_NEXT := $(MODELS)/qwen3-next-tiny
 BENCH_MODEL := $(MODELS)/qwen3-bench
 BENCH_NEXT := $(MODELS)/qwen3-next-bench
+NULL_MODEL := $(MODELS)/qwen3-null
 PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := strata/.generated
 PORT ?= 50051
 
-.PHONY: fuzz native bench-attention run test test-all soak bench bench-servers bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas bench-tp bench-overhead soak-hicache soak-text compose-certs lint protos install system-deps models clean
+.PHONY: fuzz native bench-attention run test test-all soak bench bench-servers bench-vllm bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas bench-tp bench-overhead soak-hicache soak-text compose-certs lint protos install system-deps models clean
 
 run: install models
 	$(BIN)/strata up --model $(TINY) --port $(PORT)
@@ -43,6 +44,16 @@ bench-servers: install $(BENCH_MODEL)/config.json
 	@$(BIN)/python -c 'import accelerate' 2>/dev/null || $(BIN)/pip install -q --disable-pip-version-check \
 	  -c constraints.txt -e '.[bench]' --config-settings editable_mode=compat
 	$(BIN)/strata bench --only servers --model $(BENCH_MODEL) --run-dir .runs/bench-servers
+
+# Strata HTTP vs vLLM's CPU build, token ids on both sides, 3 alternated repeats: shared prefix, random
+# and a long agent context on the bench model, then the control plane (256 streams x 256 tokens) on
+# the null model (~25 min on 2 cores). vLLM runs from its own venv, never this one: VLLM_PYTHON
+# (default $STRATA_VLLM_PYTHON) is its python; without one the part is skipped. Writes
+# docs/bench/servers_vllm.json and prints the tables.
+VLLM_PYTHON ?= $(STRATA_VLLM_PYTHON)
+bench-vllm: install $(BENCH_MODEL)/config.json $(NULL_MODEL)/config.json
+	$(BIN)/strata bench --only servers --peer vllm --vllm-python "$(VLLM_PYTHON)" --model $(BENCH_MODEL) \
+	  --null-model $(NULL_MODEL) --run-dir .runs/bench-vllm
 
 $(BENCH_MODEL)/config.json: | install
 	$(BIN)/strata model tiny --arch qwen3 --size bench --out $(BENCH_MODEL)
@@ -107,7 +118,6 @@ bench-tp: install $(BENCH_MODEL)/config.json
 # The control plane's CPU per output token (issue #26): 256 greedy streams x 256 tokens on a one-layer
 # near-null model through the gRPC and HTTP fronts, alternated, 3 repeats, plus one py-spy profile
 # per front (~3 min); writes docs/bench/overhead.json and prints the table of docs/benchmarks.md.
-NULL_MODEL := $(MODELS)/qwen3-null
 bench-overhead: install $(NULL_MODEL)/config.json
 	@test -x $(BIN)/py-spy || $(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[bench]' --config-settings editable_mode=compat
 	$(BIN)/python benchmarks/overhead.py --model $(NULL_MODEL) --repeats 3 --out docs/bench/overhead.json --profile .runs/overhead-profile

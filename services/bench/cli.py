@@ -5,6 +5,11 @@
     strata bench --only cache --only stack --repeats 5
     strata bench --only servers       Strata HTTP vs `transformers serve` and HTTP vs gRPC (~5 min; runs
                                       alone, writes <out-dir>/servers.json, not part of the default run)
+    strata bench --only servers --peer vllm --vllm-python /path/to/vllm-venv/bin/python
+                                      Strata HTTP vs vLLM's CPU build (its own venv; default python:
+                                      $STRATA_VLLM_PYTHON; without one the vLLM part is skipped) on
+                                      the bench model and, for the control plane, the null model
+                                      (~25 min on 2 cores); writes <out-dir>/servers_vllm.json
 
 The default model is ``models/qwen3-bench``; a missing ``models/<arch>-bench`` is generated first.
 """
@@ -14,14 +19,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import os
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from services.bench.workloads import MultiTurnSpec, RandomSpec, SharedPrefixSpec
+from services.bench.workloads import AgentSpec, MultiTurnSpec, RandomSpec, SharedPrefixSpec
+
+if TYPE_CHECKING:
+    from services.bench.servers import VllmPeer
 
 DEFAULT_MODEL = "models/qwen3-bench"
 SECTION_NAMES = ("cache", "multi_turn", "stack", "overlap", "hf", "long_prefix", "prefill", "decode_floor", "profile",
@@ -40,12 +50,20 @@ QUICK: dict[str, Any] = {
     "multi": MultiTurnSpec(clients=4, rounds=3, request_len=32, output_len=16, max_parallel=4),
     "long_shared": SharedPrefixSpec(groups=2, prompts_per_group=4, system_len=512, question_len=16, output_len=8),
 }
-# --only servers with --quick (its default sizes are ServersConfig's).
+# --only servers with --quick (its default sizes are ServersConfig's and VllmPeer's).
 SERVERS_QUICK: dict[str, Any] = {
     "shared": SharedPrefixSpec(groups=2, prompts_per_group=4, system_len=256, question_len=16, output_len=16),
     "random": RandomSpec(count=8, input_len=128, output_len=16),
     "overhead": SharedPrefixSpec(groups=4, prompts_per_group=16, system_len=256, question_len=16, output_len=16),
 }
+VLLM_QUICK: dict[str, Any] = {
+    "shared": SharedPrefixSpec(groups=2, prompts_per_group=4, system_len=256, question_len=16, output_len=16),
+    "random": RandomSpec(count=8, input_len=128, output_len=16),
+    "agent": AgentSpec(conversations=2, turns=3, context_len=512, turn_len=64, output_len=16),
+    "control": RandomSpec(count=64, input_len=32, output_len=64),
+}
+PEERS = ("transformers", "vllm", "both")
+VLLM_PYTHON_ENV = "STRATA_VLLM_PYTHON"
 _SIZE_FLAGS = {  # flag suffix -> (spec key, field)
     "random-count": ("random", "count"),
     "random-input-len": ("random", "input_len"),
@@ -101,6 +119,13 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--run-timeout-s", type=float, default=600.0, help="cut off a run after this long")
     p.add_argument("--run-dir", default="", help="logs of the gRPC stack (default: a temporary folder)")
     p.add_argument("--peer-args", default="", help="extra flags of `transformers serve` (servers section)")
+    p.add_argument("--peer", choices=PEERS, default="transformers",
+                   help="servers section: which peer(s) Strata HTTP is measured against (default transformers)")
+    p.add_argument("--vllm-python", default=os.environ.get(VLLM_PYTHON_ENV, ""),
+                   help=f"python of vLLM's own venv (default ${VLLM_PYTHON_ENV}; none: the vLLM part is skipped)")
+    p.add_argument("--null-model", default="models/qwen3-null",
+                   help="the vLLM part's control-plane model (`strata model tiny --size null`)")
+    p.add_argument("--vllm-args", default="", help="extra flags of vLLM's OpenAI server")
     return p
 
 
@@ -219,13 +244,18 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _run_servers(args: argparse.Namespace, model: Path) -> int:
-    """The servers section (services/bench/servers.py): prints its tables, writes ``<out-dir>/servers.json``."""
-    import shlex
-
+    """The servers section (services/bench/servers.py): prints its tables, writes ``<out-dir>/servers.json``
+    (``servers_vllm.json`` with ``--peer vllm``)."""
     from services.bench import report
     from services.bench.hf_serve import PeerError
-    from services.bench.servers import ServersBench, ServersConfig, markdown
+    from services.bench.servers import ServersBench, ServersConfig, markdown, sides_json
 
+    if args.peer != "transformers" and args.vllm_python and not Path(args.vllm_python).is_file():
+        print(f"strata bench: --vllm-python {args.vllm_python}: no such file", file=sys.stderr)
+        return 2
+    vllm = _vllm_peer(args)
+    if vllm is None and args.peer == "vllm":
+        return 0  # skipped, and said so
     d = ServersConfig(model)
     specs = _specs(args, SERVERS_QUICK if args.quick else {"shared": d.shared, "random": d.random,
                                                           "overhead": d.overhead})
@@ -243,21 +273,63 @@ def _run_servers(args: argparse.Namespace, model: Path) -> int:
         run_dir=Path(args.run_dir) if args.run_dir else None,
         run_timeout_s=args.run_timeout_s,
         peer_args=tuple(shlex.split(args.peer_args)),
+        transformers=args.peer != "vllm",
+        vllm=vllm,
     )
     t0 = time.perf_counter()
-    print(f"strata bench: {model}, section servers", flush=True)
+    print(f"strata bench: {model}, section servers, peer {args.peer}", flush=True)
     bench = ServersBench(cfg, machine_info(model), say=lambda line: print(line, flush=True))
+    measured = _git_state()  # at the start: the services run the tree as it was then
     try:
         results = bench.run()
     except PeerError as e:
         print(f"strata bench: {e}", file=sys.stderr)
         return 1
     results.machine["load_end"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    path = report.write_json(results, Path(args.out_dir) / "servers.json")
+    results.notes.append(measured)
+    path = Path(args.out_dir) / ("servers_vllm.json" if args.peer == "vllm" else "servers.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**report.results_json(results), "sides": sides_json(bench.sides)}, indent=2) + "\n")
     print(markdown(results, bench.sides))
     print(f"wrote {path}")
     print(f"strata bench: done in {(time.perf_counter() - t0) / 60:.1f} min")
     return 0
+
+
+def _git_state() -> str:
+    """Which Strata is measured: the commit and the files changed since (others may be editing)."""
+    import subprocess
+
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], capture_output=True, text=True, timeout=10).stdout.rstrip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    dirty = git("status", "--porcelain", "--untracked-files=no").splitlines()
+    files = ", ".join(line[3:] for line in dirty) or "none"
+    return f"Strata at commit {git('rev-parse', '--short', 'HEAD') or '?'}; uncommitted changes in: {files}"
+
+
+def _vllm_peer(args: argparse.Namespace) -> VllmPeer | None:
+    """The vLLM part's config; None when it does not run: ``--peer transformers``, or no python
+    given (then it says it skips the part)."""
+    from services.bench.servers import VllmPeer
+
+    if args.peer == "transformers":
+        return None
+    if not args.vllm_python:
+        print(f"strata bench: vLLM part skipped: no vLLM python given (--vllm-python PATH or ${VLLM_PYTHON_ENV}; "
+              "vLLM runs from its own venv, never Strata's)", flush=True)  # fmt: skip
+        return None
+    python = Path(args.vllm_python)
+    d = VllmPeer(python)
+    specs = _specs(args, VLLM_QUICK if args.quick else {"shared": d.shared, "random": d.random, "agent": d.agent,
+                                                        "control": d.control})
+    return VllmPeer(
+        python=python, null_model=Path(args.null_model), shared=specs["shared"], random=specs["random"],
+        agent=specs["agent"], control=specs["control"], args=tuple(shlex.split(args.vllm_args)),
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

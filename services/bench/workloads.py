@@ -5,8 +5,9 @@ other by one client. Single-turn workloads (``random``, ``shared_prefix``) have 
 conversation. A turn's prompt is built at run time by ``Turn.prompt_for(history)``:
 
 * turn 0: ``prefix + question``;
-* turn k > 0 (``multi_turn``): ``history + question``, where ``history`` is the previous turn's
-  prompt followed by its answer (known only once the previous turn has finished).
+* turn k > 0 (``multi_turn``, ``agent``): ``history + question``, where ``history`` is the previous
+  turn's prompt followed by its answer (known only once the previous turn has finished; empty
+  when the backend returns text, not ids, as the OpenAI HTTP backend does).
 
 ``Turn.reusable`` is what an ideal prefix cache of unbounded size could serve of the turn's prompt;
 it is the denominator of the "reuse vs ideal" ratio (see ``ideal_reuse``).
@@ -26,7 +27,7 @@ from typing import Literal
 # The tiny checkpoints' special tokens are ids 0..2; everything from here is ordinary text.
 FIRST_ID = 3
 
-WorkloadKind = Literal["random", "shared_prefix", "multi_turn"]
+WorkloadKind = Literal["random", "shared_prefix", "multi_turn", "agent"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +114,19 @@ class MultiTurnSpec:
     max_parallel: int = 8
 
 
+@dataclass(frozen=True, slots=True)
+class AgentSpec:
+    """``conversations`` agents, each on its own ``context_len``-id context (instructions, tools,
+    files), running ``turns`` turns; each turn appends ``turn_len`` new ids (a tool result or a
+    user message) to the conversation so far and asks for ``output_len`` tokens."""
+
+    conversations: int = 2
+    turns: int = 8
+    context_len: int = 2048
+    turn_len: int = 128
+    output_len: int = 32
+
+
 def _ids(rng: random.Random, n: int, vocab_size: int) -> tuple[int, ...]:
     return tuple(rng.randrange(FIRST_ID, vocab_size) for _ in range(n))
 
@@ -165,6 +179,24 @@ def multi_turn_workload(spec: MultiTurnSpec, vocab_size: int, seed: int = 0) -> 
     return Workload(
         "multi_turn", name, convs, request_rate=spec.request_rate, max_parallel=spec.max_parallel, seed=seed
     )
+
+
+def agent_workload(spec: AgentSpec, vocab_size: int, seed: int = 0) -> Workload:
+    """Long contexts re-sent every turn: turn 0 is ``context + turn``, turn k the previous prompt (and
+    its answer, when the backend returns ids) plus ``turn_len`` new ids. The conversations share
+    nothing, so all reuse is within a conversation."""
+    _check_vocab(vocab_size)
+    rng = random.Random(f"agent/{seed}")
+    convs = []
+    for _ in range(spec.conversations):
+        context = _ids(rng, spec.context_len, vocab_size)
+        convs.append(tuple(Turn(context, _ids(rng, spec.turn_len, vocab_size), spec.output_len)
+                           for _ in range(spec.turns)))  # fmt: skip
+    name = (
+        f"agent conversations={spec.conversations} turns={spec.turns} context={spec.context_len} "
+        f"turn={spec.turn_len} out={spec.output_len}"
+    )
+    return Workload("agent", name, tuple(convs), max_parallel=spec.conversations, seed=seed)
 
 
 def ideal_shared_prefix_reuse(spec: SharedPrefixSpec) -> int:

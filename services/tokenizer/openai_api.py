@@ -139,7 +139,12 @@ class Choices:
         requests: list[pb.GenerateRequest],
     ) -> None:
         self._queue: asyncio.Queue[tuple[int, pb.GenerateResponse | BaseException | None]] = asyncio.Queue()
-        self._tasks = [asyncio.create_task(self._run(i, generate(r))) for i, r in enumerate(requests)]
+        # One choice (the usual case) is read in the consumer's own task: no task and queue hop
+        # per streamed token.
+        self._single = generate(requests[0]) if len(requests) == 1 else None
+        self._tasks = [] if self._single else [
+            asyncio.create_task(self._run(i, generate(r))) for i, r in enumerate(requests)
+        ]
         self._open = len(requests)
 
     async def _run(self, index: int, stream: AsyncIterator[pb.GenerateResponse]) -> None:
@@ -152,12 +157,13 @@ class Choices:
         except BaseException as exc:  # handed to the consumer, which decides the status
             await self._queue.put((index, exc))
         finally:
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                with contextlib.suppress(BaseException):
-                    await aclose()
+            await _aclose(stream)
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+        if self._single is not None:
+            async for resp in self._single:
+                yield 0, resp
+            return
         while self._open:
             index, item = await self._queue.get()
             if item is None:
@@ -168,9 +174,19 @@ class Choices:
                 yield index, item
 
     async def close(self) -> None:
+        if self._single is not None:
+            await _aclose(self._single)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def _aclose(stream: AsyncIterator[pb.GenerateResponse]) -> None:
+    """End a response stream early: its request is aborted on the scheduler and its slots freed."""
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        with contextlib.suppress(BaseException):
+            await aclose()
 
 
 async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
