@@ -75,9 +75,10 @@ _SHAPES: dict[Size, _Shape] = {
         corpus_lines=3000,
     ),
     # One thin layer over the tiny vocabulary: a forward that costs almost nothing, so that what a
-    # served token costs is the control plane's (tokenizer, scheduler, worker bookkeeping).
+    # served token costs is the control plane's (tokenizer, scheduler, worker bookkeeping). Heads
+    # of 32: the smallest vLLM's CPU attention takes, so the peer server runs the same checkpoint.
     "null": _Shape(
-        vocab=768, hidden=64, intermediate=128, layers=1, heads=4, kv_heads=2, head_dim=16, context=4096,
+        vocab=768, hidden=64, intermediate=128, layers=1, heads=4, kv_heads=2, head_dim=32, context=4096,
         corpus_lines=3000,
     ),
     "bench": _Shape(
