@@ -172,6 +172,7 @@ def test_closing_an_unfinished_inbox_aborts_it_on_the_session() -> None:
         inbox.close()
         inbox.close()
         m = sess._out.get_nowait()
+        assert m is not None
         assert m.WhichOneof("kind") == "abort" and m.abort == 7 and sess._out.empty()
 
     asyncio.run(run())
