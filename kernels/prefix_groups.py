@@ -87,20 +87,26 @@ def find_prefix_groups(
 
     ``prefix_lens[b]`` is how many leading positions request ``b`` may share: its tokens already in
     the cache before this step (``start_pos``), so the new tokens always stay in the request's own
-    pass. Requests are bucketed by their first slot. In a bucket, each member's run in common with
-    the bucket's first member (equal slots at equal positions, capped by both ``prefix_lens``) is
-    measured; the group is the ``k`` members with the longest runs and shares the k-th longest run,
-    ``k`` chosen to save the most key reads (``(k - 1) * run``). The members left out form a bucket
-    again. Returns ``None`` when no group reaches ``min_shared`` tokens.
+    pass. Requests are bucketed by their slots at positions 0 and ``min_shared - 1``. In a bucket,
+    each member's run in common with the bucket's first member (equal slots at equal positions,
+    capped by both ``prefix_lens``) is measured; the group is the ``k`` members with the longest
+    runs and shares the k-th longest run, ``k`` chosen to save the most key reads (``(k - 1) *
+    run``). The members left out form a bucket again. Returns ``None`` when no group reaches
+    ``min_shared`` tokens.
 
     Cost: one ``[n, L]`` comparison per bucket of ``n`` requests on the slot table, which must be a
     CPU tensor (the worker keeps a host mirror when its pools live on a GPU).
     """
-    buckets: dict[int, list[int]] = {}
-    heads: list[int] = req_to_token[rows, 0].tolist()  # one gather (indexing per request costs microseconds)
-    for b, (head, n) in enumerate(zip(heads, prefix_lens, strict=True)):
+    # Bucketed by the slots at positions 0 and min_shared - 1: a run of min_shared equal slots
+    # holds both, and requests that merely share a first token (common with small vocabularies and
+    # page size 1) are not compared position by position for nothing.
+    buckets: dict[tuple[int, int], list[int]] = {}
+    if min_shared > req_to_token.shape[1]:
+        return None  # no row is that long
+    ends = req_to_token[:, [0, max(min_shared, 1) - 1]][rows].tolist()  # one gather, not one per request
+    for b, ((head, tail), n) in enumerate(zip(ends, prefix_lens, strict=True)):
         if n >= min_shared:
-            buckets.setdefault(head, []).append(b)
+            buckets.setdefault((head, tail), []).append(b)
     found: list[tuple[list[int], int]] = []
     pending = [m for m in buckets.values() if len(m) > 1]
     while pending:

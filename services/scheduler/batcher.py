@@ -232,20 +232,20 @@ class Batcher:
 
     def _input(self, req: Req, n: int) -> ReqInput:
         start = req.computed - n
-        seq = req.seq
+        known = req.seq_len
         assert req.row is not None
-        pending = start >= len(seq)  # the input is a sample still in flight (overlap)
+        pending = start >= known  # the input is a sample still in flight (overlap)
         assert not pending or n == 1
         ri = ReqInput(
             request_id=req.rid,
             row=req.row,
-            input_ids=[] if pending else seq[start : start + n],
+            input_ids=[] if pending else req.tokens(start, n),
             use_last_sample=pending,
             start_pos=start,
             new_slots=req.slots[start:],
             prefix_slots=req.slots[:start] if not req.sent_history or req.row_dirty else [],
             mamba_slot=req.mamba_slot,
-            sample=start + n == len(seq) + req.inflight,
+            sample=start + n == known + req.inflight,
             sampling=req.gen.sampling,
             seed=req.seed,
             output_index=len(req.output) + req.inflight,
@@ -261,7 +261,7 @@ class Batcher:
                     ri.token_bitmask = req.grammar.bitmask()
             req.inflight += 1
         if not req.sent_history and req.gen.sampling.has_penalties:
-            ri.history_ids = seq[:start]
+            ri.history_ids = req.tokens(0, start)
         req.sent_history = True
         req.row_dirty = False
         req.planned_len = start + n
@@ -306,7 +306,7 @@ class Batcher:
             return Finish.STOP
         if req.grammar is not None and req.grammar.is_terminated():
             return Finish.STOP  # the grammar can only end here (checked apart from ignore_eos)
-        if len(req.output) >= g.max_new_tokens or len(req.seq) >= self.context_length:
+        if len(req.output) >= g.max_new_tokens or req.seq_len >= self.context_length:
             return Finish.LENGTH
         return None
 

@@ -114,6 +114,20 @@ class Req:
         return self.prompt + self.output
 
     @property
+    def seq_len(self) -> int:
+        """``len(seq)`` without building ``seq`` (per step, per request: a copy of the whole context)."""
+        return len(self.prompt) + len(self.output)
+
+    def tokens(self, start: int, n: int) -> list[int]:
+        """``seq[start:start + n]`` without building ``seq``."""
+        p = len(self.prompt)
+        if start >= p:
+            return self.output[start - p : start - p + n]
+        if start + n <= p:
+            return self.prompt[start : start + n]
+        return self.prompt[start:] + self.output[: start + n - p]
+
+    @property
     def computed(self) -> int:
         return len(self.slots)
 
