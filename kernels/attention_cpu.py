@@ -22,7 +22,6 @@ forward by ``plan_attention`` and reused by every layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
 
 import torch
 
@@ -61,8 +60,9 @@ class PagedDecodes:
     """Every decode's own range, read in place by the native kernel (``kernels.native``)."""
 
     tokens: torch.Tensor  # [b] flat token index of each decode
-    slots: torch.Tensor  # [N] the own ranges, concatenated
-    offsets: torch.Tensor  # [b + 1]
+    slots: torch.Tensor  # the slot table (req_to_token) itself
+    starts: torch.Tensor  # [b] flat index into ``slots`` where decode b's own range begins
+    ends: torch.Tensor  # [b] and ends (exclusive)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,16 +128,13 @@ def plan_attention(
     decodes = [b for b in range(batch) if extend_lens[b] == 1]
     extends = _extend_passes(req_to_token, rows, start_pos, extend_lens, kv_start, cu)
     if native_decode and decodes:
-        # Decode b reads row rows[b] from kv_start[b] through start_pos[b]: the ranges are gathered
-        # in one indexing (slicing the table once per decode cost microseconds each).
-        lens = [start_pos[b] + 1 - kv_start[b] for b in decodes]
-        offsets = [0, *accumulate(lens)]
-        counts = torch.tensor(lens, dtype=torch.int64)
-        table_rows = torch.tensor([rows[b] for b in decodes], dtype=torch.int64).repeat_interleave(counts)
-        shift = torch.tensor([kv_start[b] - o for b, o in zip(decodes, offsets[:-1], strict=True)], dtype=torch.int64)
-        cols = torch.arange(offsets[-1]) + shift.repeat_interleave(counts)
-        paged = PagedDecodes(torch.tensor([cu[b] for b in decodes], dtype=torch.int64), req_to_token[table_rows, cols],
-                             torch.tensor(offsets, dtype=torch.int64))
+        # Decode b reads row rows[b] of the table from kv_start[b] through start_pos[b], in place:
+        # the kernel gets flat indices into the table, nothing is gathered.
+        width = req_to_token.shape[1]
+        starts = [rows[b] * width + kv_start[b] for b in decodes]
+        ends = [rows[b] * width + start_pos[b] + 1 for b in decodes]
+        paged = PagedDecodes(torch.tensor([cu[b] for b in decodes], dtype=torch.int64), req_to_token,
+                             torch.tensor(starts, dtype=torch.int64), torch.tensor(ends, dtype=torch.int64))
         return AttentionPlan(cu[-1], shared, [], extends, [], torch.empty(0, dtype=torch.int64), paged)
     runs: list[RunPass] = []
     rest_start = list(kv_start)  # where the gathered part of each decode's own range begins
@@ -249,7 +246,8 @@ def run_attention(
     lse = torch.empty((t, hq), dtype=torch.float32) if merging else None
     if plan.paged is not None:
         o_p, s_p = native.paged_decode(
-            q.index_select(0, plan.paged.tokens), k_cache, v_cache, plan.paged.slots, plan.paged.offsets, scale
+            q.index_select(0, plan.paged.tokens), k_cache, v_cache, plan.paged.slots, plan.paged.starts,
+            plan.paged.ends, scale,
         )
         out[plan.paged.tokens] = o_p.to(out.dtype)
         if lse is not None:

@@ -113,7 +113,7 @@ def load() -> ctypes.CDLL | None:
         if not subnormals_survive():
             log.error("loading %s turned on flush-to-zero for this process; rebuild it without fast math", path)
         fn = lib.strata_paged_decode_f32
-        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
         fn.restype = ctypes.c_int
         _lib = lib
         return lib
@@ -131,15 +131,17 @@ def paged_decode_available(dtype: torch.dtype) -> bool:
 
 
 def paged_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor,
-    scale: float,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
+    ends: torch.Tensor, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One query per request over its own slots, read in place.
 
-    ``q [B, Hq, D]``, ``k_cache, v_cache [S, Hkv, D]`` fp32 CPU; ``slots [N]`` int64 (request ``b``
-    reads ``slots[offsets[b]:offsets[b + 1]]``, each range non-empty and every slot ``< S``: the
-    caller's plan guarantees it, nothing is checked per slot); ``offsets [B + 1]`` int64.
-    Returns ``(out [B, Hq, D] fp32, lse [B, Hq] fp32)``.
+    ``q [B, Hq, D]``, ``k_cache, v_cache [S, Hkv, D]`` fp32 CPU; ``slots`` int64, any shape,
+    contiguous (request ``b`` reads the flat elements ``starts[b]:ends[b]`` of it: a concatenation
+    of ranges, or the slot table itself with each request pointing into its own row); ``starts``,
+    ``ends`` ``[B]`` int64. Each range is non-empty and inside ``slots`` and every slot ``< S``: the
+    caller's plan guarantees it, nothing is checked per slot. Returns ``(out [B, Hq, D] fp32,
+    lse [B, Hq] fp32)``.
     """
     lib = load()
     if lib is None:
@@ -147,20 +149,21 @@ def paged_decode(
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous fp32 CPU tensor, got {t.dtype} on {t.device}")
-    for name, t in (("slots", slots), ("offsets", offsets)):
-        if t.dtype != torch.int64 or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous int64 tensor")
+    for name, t in (("slots", slots), ("starts", starts), ("ends", ends)):
+        if t.dtype != torch.int64 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous int64 CPU tensor")
     batch, hq, d = q.shape
     hkv = k_cache.shape[1]
-    if k_cache.shape[2] != d or hq % hkv or offsets.numel() != batch + 1 or v_cache.shape != k_cache.shape:
+    if k_cache.shape[2] != d or hq % hkv or starts.numel() != batch or ends.numel() != batch \
+            or v_cache.shape != k_cache.shape:
         raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
-                         f"offsets {offsets.numel()} for {batch} requests")
+                         f"{starts.numel()} starts and {ends.numel()} ends for {batch} requests")
     out = torch.empty((batch, hq, d), dtype=torch.float32)
     lse = torch.empty((batch, hq), dtype=torch.float32)
     if batch:
         rc = lib.strata_paged_decode_f32(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), offsets.data_ptr(),
-            batch, hq, hkv, d, float(scale), out.data_ptr(), lse.data_ptr(),
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), starts.data_ptr(),
+            ends.data_ptr(), batch, hq, hkv, d, float(scale), out.data_ptr(), lse.data_ptr(),
         )
         if rc != 0:
             raise MemoryError("native paged decode could not allocate its scratch buffers")

@@ -146,8 +146,12 @@ def test_native_decode_rejects_what_it_cannot_read() -> None:
     if native.load() is None:
         pytest.skip("no C compiler here")
     k = torch.zeros(8, 2, 4)
-    offsets = torch.tensor([0, 2])
+    starts, ends = torch.tensor([0]), torch.tensor([2])
     with pytest.raises(ValueError, match="q must be a contiguous fp32"):
-        native.paged_decode(torch.zeros(1, 2, 4, dtype=torch.float64), k, k, torch.tensor([1, 2]), offsets, 1.0)
+        native.paged_decode(torch.zeros(1, 2, 4, dtype=torch.float64), k, k, torch.tensor([1, 2]), starts, ends, 1.0)
     with pytest.raises(ValueError, match="shapes do not fit"):
-        native.paged_decode(torch.zeros(1, 3, 4), k, k, torch.tensor([1, 2]), offsets, 1.0)
+        native.paged_decode(torch.zeros(1, 3, 4), k, k, torch.tensor([1, 2]), starts, ends, 1.0)
+    with pytest.raises(ValueError, match="shapes do not fit"):  # an end per request
+        native.paged_decode(torch.zeros(1, 2, 4), k, k, torch.tensor([1, 2]), starts, torch.tensor([1, 2]), 1.0)
+    with pytest.raises(ValueError, match="starts must be a contiguous int64"):
+        native.paged_decode(torch.zeros(1, 2, 4), k, k, torch.tensor([1, 2]), starts.int(), ends, 1.0)

@@ -4,8 +4,9 @@
  *
  *   q        [B, Hq, D]      fp32, contiguous
  *   k, v     [S, Hkv, D]     fp32, contiguous (the pool of one layer)
- *   slots    [N]             int64: request b reads slots[offsets[b] .. offsets[b + 1])
- *   offsets  [B + 1]         int64, offsets[0] = 0, every range non-empty
+ *   slots    [N]             int64: request b reads slots[starts[b] .. ends[b])
+ *   starts, ends [B]         int64, every range non-empty (ranges may overlap or leave gaps: the
+ *                            slot table itself can be passed, each request pointing into its row)
  *   out      [B, Hq, D]      fp32: softmax(q k^T * scale) v
  *   lse      [B, Hq]         fp32: natural log-sum-exp of the scaled scores (to merge passes)
  *
@@ -29,7 +30,7 @@ static inline void prefetch_row(const float *base, int64_t slot, int64_t row) {
 }
 
 int strata_paged_decode_f32(const float *q, const float *k, const float *v, const int64_t *slots,
-                            const int64_t *offsets, int64_t batch, int64_t hq, int64_t hkv, int64_t d,
+                            const int64_t *starts, const int64_t *ends, int64_t batch, int64_t hq, int64_t hkv, int64_t d,
                             float scale, float *out, float *lse) {
     const int64_t group = hq / hkv;
     const int64_t row = hkv * d;
@@ -43,8 +44,8 @@ int strata_paged_decode_f32(const float *q, const float *k, const float *v, cons
 #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < batch; b++) {
             if (failed) continue;
-            const int64_t n = offsets[b + 1] - offsets[b];
-            const int64_t *sl = slots + offsets[b];
+            const int64_t n = ends[b] - starts[b];
+            const int64_t *sl = slots + starts[b];
             if (n * hq > cap) {
                 free(scores);
                 cap = n * hq;
