@@ -125,8 +125,11 @@ def test_completions_greedy_text_and_ids(client: openai.OpenAI, tiny_qwen3: Path
     wants = [hf_greedy(tiny_qwen3, tok.encode(p, add_special_tokens=False), 16) for p in prompts]
     if stream:
         got = ["", ""]
-        for c in client.completions.create(model=MODEL, prompt=prompts, max_tokens=16, temperature=0, stream=True):
+        # A request id with "%" in it: the streamed chunks are formatted from a prefix holding it.
+        for c in client.completions.create(model=MODEL, prompt=prompts, max_tokens=16, temperature=0, stream=True,
+                                           extra_headers={"x-request-id": "pct-%s-%d"}):  # fmt: skip
             got[c.choices[0].index] += c.choices[0].text
+            assert c.id == "cmpl-pct-%s-%d"
     else:
         r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=16, temperature=0)
         assert [c.index for c in r.choices] == [0, 1]

@@ -22,25 +22,15 @@ What the benchmark relies on (transformers 5.23, ``transformers/cli/serving/``):
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import IO
 
-from services.common.etcd_proc import die_with_parent, free_port
+from services.bench.peer_process import PeerError, PeerProcess
+from services.common.etcd_proc import free_port
+
+__all__ = ["NO_EOS_BODY", "PeerError", "TransformersServe"]
 
 NO_EOS_BODY = {"generation_config": json.dumps({"eos_token_id": -1, "do_sample": False})}
-_POLL_S = 0.5
-_STOP_GRACE_S = 10.0
-_LOG_TAIL_BYTES = 3000
-
-
-class PeerError(RuntimeError):
-    """The peer server could not start (its log's tail is in the message)."""
 
 
 class TransformersServe:
@@ -58,9 +48,9 @@ class TransformersServe:
             "--continuous-batching", "--device", "cpu", "--dtype", "float32",
             "--host", "127.0.0.1", "--port", str(self.port), *extra_args,
         ]  # fmt: skip
-        self._timeout = startup_timeout_s
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log_file: IO[bytes] | None = None
+        self.process = PeerProcess(
+            "transformers serve", self.command, self.port, log, {"HF_HUB_OFFLINE": "1"}, startup_timeout_s
+        )
 
     @property
     def base_url(self) -> str:
@@ -68,49 +58,13 @@ class TransformersServe:
 
     def start(self) -> None:
         """Start the process and wait until ``/health`` answers 200; ``PeerError`` if it dies or times out."""
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        self._log_file = self.log.open("wb")
-        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-        self._proc = subprocess.Popen(
-            self.command, stdout=self._log_file, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent
-        )
-        deadline = time.monotonic() + self._timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                self.stop()
-                raise PeerError(f"transformers serve exited with {self._proc.returncode}:\n{self.log_tail()}")
-            if self._healthy():
-                return
-            time.sleep(_POLL_S)
-        self.stop()
-        raise PeerError(f"transformers serve not ready after {self._timeout:.0f}s:\n{self.log_tail()}")
-
-    def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                return bool(r.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
+        self.process.start()
 
     def log_tail(self) -> str:
-        try:
-            data = self.log.read_bytes()
-        except OSError:
-            return ""
-        return data[-_LOG_TAIL_BYTES:].decode(errors="replace")
+        return self.process.log_tail()
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL after a grace period."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(_STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
+        self.process.stop()
 
     def __enter__(self) -> TransformersServe:
         self.start()

@@ -23,28 +23,19 @@ What the benchmark relies on (vLLM 0.32.0, CPU build, checked on 2 cores):
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
-import signal
-import subprocess
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import IO
 
 import psutil
 
-from services.bench.hf_serve import PeerError
-from services.common.etcd_proc import die_with_parent, free_port
+from services.bench.peer_process import PeerError, PeerProcess
+from services.common.etcd_proc import free_port
 
 # vllm/v1/attention/backends/cpu_attn.py: CPUAttentionBackend.get_supported_head_sizes()
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 ENTRY_POINT = "vllm.entrypoints.openai.api_server"
-_POLL_S = 1.0
-_LOG_TAIL_BYTES = 4000
 
 
 class VllmServe:
@@ -82,15 +73,16 @@ class VllmServe:
             "--max-model-len", str(max_model_len), *seqs, "--enable-prompt-tokens-details",
             "--host", "127.0.0.1", "--port", str(self.port), *extra_args,
         ]  # fmt: skip
-        self._timeout = startup_timeout_s
-        self._grace = stop_grace_s
-        self.startup_s = 0.0  # how long the last start took
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log_file: IO[bytes] | None = None
+        self.process = PeerProcess("vLLM", self.command, self.port, log, self.env, startup_timeout_s, stop_grace_s, 1.0)
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def startup_s(self) -> float:
+        """How long the last start took."""
+        return self.process.startup_s
 
     def shell_line(self) -> str:
         env = " ".join(f"{k}={v}" for k, v in self.env.items())
@@ -102,38 +94,15 @@ class VllmServe:
         python = Path(self.command[0])
         if not python.is_file():
             raise PeerError(f"no vLLM python at {python} (give the python of vLLM's venv: --vllm-python)")
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        self._log_file = self.log.open("wb")
-        t0 = time.monotonic()
-        self._proc = subprocess.Popen(
-            self.command, stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}, preexec_fn=die_with_parent,
-        )  # fmt: skip
-        while time.monotonic() - t0 < self._timeout:
-            if self._proc.poll() is not None:
-                code = self._proc.returncode
-                self.stop()
-                raise PeerError(f"vLLM exited with {code} during start-up (log {self.log}):\n{self.log_tail()}")
-            if self._healthy():
-                self.startup_s = time.monotonic() - t0
-                return
-            time.sleep(_POLL_S)
-        self.stop()
-        raise PeerError(f"vLLM not ready after {self._timeout:.0f}s (log {self.log}):\n{self.log_tail()}")
-
-    def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                return bool(r.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
+        self.process.start()
 
     def pids(self) -> dict[str, int]:
         """The server's processes by role (``api server``, then its descendants by name): what a
         ``CpuMeter`` measures. Call once the server is ready (the workers exist by then)."""
-        if self._proc is None:
+        proc = self.process.proc
+        if proc is None:
             return {}
-        root = psutil.Process(self._proc.pid)
+        root = psutil.Process(proc.pid)
         out = {"api server": root.pid}
         for child in root.children(recursive=True):
             try:
@@ -147,31 +116,12 @@ class VllmServe:
         return out
 
     def log_tail(self) -> str:
-        try:
-            data = self.log.read_bytes()
-        except OSError:
-            return ""
-        return data[-_LOG_TAIL_BYTES:].decode(errors="replace")
+        return self.process.log_tail()
 
     def stop(self) -> None:
         """SIGTERM to the process group, then SIGKILL to whatever of it (and of the descendants
         seen before, should one have left the group) is still alive after a grace period."""
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            try:
-                family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-            except psutil.Error:
-                family = []
-            _signal_group(proc.pid, signal.SIGTERM)
-            _, alive = psutil.wait_procs(family, timeout=self._grace)
-            _signal_group(proc.pid, signal.SIGKILL)
-            for p in alive:
-                with contextlib.suppress(psutil.Error):
-                    p.kill()
-            proc.wait()
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
+        self.process.stop()
 
     def __enter__(self) -> VllmServe:
         self.start()
@@ -179,11 +129,6 @@ class VllmServe:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone already
-        os.killpg(pgid, sig)
 
 
 def head_dim(model: Path) -> int:

@@ -463,6 +463,12 @@ class _Reply:
         started: set[int] = set()
         offsets: dict[int, int] = {}
         lasts: dict[int, pb.GenerateResponse] = {}
+        # The chunk of a token in mid-stream (no logprobs, no finish, not the first) is the same
+        # JSON but for its index and text: formatted from a prefix made once.
+        head = json.dumps(self._head(obj), separators=(",", ":"))[:-1].replace("%", "%%")  # ids may hold %
+        field = '"delta":{"content":%s}' if self.chat else '"text":%s'
+        tail = ',"usage":null}' if include_usage else "}"
+        plain = head + ',"choices":[{"index":%d,"logprobs":null,"finish_reason":null,' + field + "}]" + tail
         async for index, resp in choices:
             finish = self._finish(resp) if resp.finish_reason else None
             if finish is not None:
@@ -471,6 +477,9 @@ class _Reply:
             # it adds no text yet (half a UTF-8 character, held-back stop-string text): clients
             # count chunks as tokens and time the first one as TTFT.
             if not (resp.token_ids or resp.text or finish or (self.chat and index not in started)):
+                continue
+            if finish is None and not resp.logprobs and index in started:
+                yield b"data: " + (plain % (index, json.dumps(resp.text))).encode() + b"\n\n"
                 continue
             choice: dict[str, Any] = {
                 "index": index,

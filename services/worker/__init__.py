@@ -1,13 +1,20 @@
 """The worker: weights, pools, forward and sampling.
 
-OpenMP threads (torch's intra-op pool and the native attention kernel) wait for work passively
-unless told otherwise. libgomp's default is to spin for a while after every parallel region: a
-decode step runs hundreds of small regions, and the spinning thread burnt a core that the
-tokenizer and scheduler beside it needed (on 2 cores at 256 streams the worker spent 226 µs of CPU
-per output token spinning, 44 µs passive, at equal step speed). It must be set before torch loads
-libgomp, hence here; an explicit ``OMP_WAIT_POLICY`` in the environment wins.
+OpenMP threads (torch's intra-op pool and the native attention kernel) spin for a bounded while
+after each parallel region, then sleep: ``GOMP_SPINCOUNT=20000`` unless the environment says
+otherwise (``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``). Measured on 2 cores (docs/benchmarks.md):
+
+- libgomp's default (300,000 spins, milliseconds): between steps the spinning thread burnt the
+  core the tokenizer and scheduler beside it needed. 256 streams on the near-null model: worker
+  85-121 µs of CPU per output token, 6.8-7.7k tok/s; 20,000 spins: 58-61 µs, 10-11k tok/s.
+- sleeping at once (``PASSIVE``, or 2,000 spins) is cheaper still there (36-42 µs) but wakes the
+  threads for each of a step's hundreds of small parallel regions: the bench model's small-batch
+  decodes were 10-25 % slower than with the default; with 20,000 spins they are on a par.
+
+It must be set before torch loads libgomp, hence here.
 """
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = "20000"
