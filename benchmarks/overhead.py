@@ -140,21 +140,6 @@ def _top_frames(raw: Path, n: int = 15) -> list[tuple[str, float]]:
     return [(frame, c / max(total, 1)) for frame, c in leaves.most_common(n)]
 
 
-def _inclusive(raw: Path, needles: list[str]) -> dict[str, float]:
-    """Fraction of samples whose stack contains each needle (a function name)."""
-    hits: Counter[str] = Counter()
-    total = 0
-    for line in raw.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        total += int(count)
-        for needle in needles:
-            if needle in stack:
-                hits[needle] += int(count)
-    return {k: hits[k] / max(total, 1) for k in needles}
-
-
 async def profiled(cfg: Config, front: str, backend: Backend, meter: CpuMeter, sched: Any,
                    pids: dict[str, int]) -> dict[str, Any]:  # fmt: skip
     """One run with py-spy recording every service; returns each service's top frames."""
@@ -166,7 +151,7 @@ async def profiled(cfg: Config, front: str, backend: Backend, meter: CpuMeter, s
             [spy, "record", "--format", "raw", "--rate", "200", "--nonblocking", "-p", str(pid),
              "-o", str(cfg.profile / f"{front}-{name}.txt")],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        )
         for name, pid in pids.items()
     }
     await asyncio.sleep(1.0)
