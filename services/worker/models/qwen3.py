@@ -139,8 +139,9 @@ class DenseDecoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # Residual adds into the branch's fresh output (a + b == b + a exactly): no new [T, hidden].
+        h = self.self_attn(self.input_layernorm(h), cos, sin, batch, ctx).add_(h)
+        return self.mlp(self.post_attention_layernorm(h)).add_(h)
 
 
 class DenseModel(nn.Module):
