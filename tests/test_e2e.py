@@ -228,6 +228,35 @@ def test_one_trace_id_across_services(api: pgrpc.StrataStub, stack: Stack) -> No
     assert len(generates) > 5 and not orphans, orphans[:2]
 
 
+def test_a_session_serves_many_requests_and_refuses_a_reused_handle(stack: Stack) -> None:
+    """Scheduler/Session over real gRPC: two requests on one stream both finish (their tokens come
+    back under their handles); a submission reusing a running handle ends the session with
+    INVALID_ARGUMENT (its events could not be told apart)."""
+    sampling = _greedy(6, ignore_eos=True)
+
+    def submit(handle: int, rid: str) -> spb.SessionRequest:
+        req = spb.GenerateRequest(request_id=rid, input_ids=[5, 6, 7, handle], sampling=sampling)
+        return spb.SessionRequest(submit=spb.SessionSubmit(handle=handle, request=req))
+
+    with grpc.insecure_channel(stack.child("scheduler").address) as ch:
+        session = sgrpc.SchedulerStub(ch)
+        tokens: dict[int, int] = {}
+        ends: dict[int, int] = {}
+        call = session.Session(iter([submit(1, "sess-a"), submit(2, "sess-b")]))
+        for msg in call:
+            for h, n in zip(msg.handles, msg.counts, strict=True):
+                tokens[h] = tokens.get(h, 0) + n
+            ends.update((e.handle, e.finish_reason) for e in msg.ends)
+        assert tokens == {1: 6, 2: 6} and ends == {1: pb.FINISH_REASON_LENGTH, 2: pb.FINISH_REASON_LENGTH}
+        long = spb.GenerateRequest(request_id="sess-c", input_ids=[5, 6, 7], sampling=_greedy(200, ignore_eos=True))
+        dup = [spb.SessionRequest(submit=spb.SessionSubmit(handle=3, request=long)), submit(3, "sess-d")]
+        with pytest.raises(grpc.RpcError) as e:
+            list(session.Session(iter(dup)))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "handle" in (e.value.details() or "")
+    load = _wait_idle(stack)  # the refused session's running request was aborted with it
+    assert (load.running, load.waiting, load.used_slots) == (0, 0, 0)
+
+
 def test_worker_killed_leaves_discovery_and_restart_is_used(stack: Stack, api: pgrpc.StrataStub) -> None:
     worker = stack.child("worker")
     assert worker.proc is not None

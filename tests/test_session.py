@@ -56,7 +56,7 @@ def test_a_step_of_many_requests_is_one_message_of_columns() -> None:
         s, loop = _session()
         reqs = {h: _req(f"r{h}") for h in (1, 2, 3)}
         for h, r in reqs.items():
-            s.open(h, asyncio.ensure_future(_idle()), 0.0)
+            s.open(h, _idle, 0.0)
             s.running(h, r, lambda: None)
         lp = TokenLogprob(9, -0.5, ((9, -0.5), (4, -1.5)))
         reqs[1].emit(TokenEvent((7,)))
@@ -86,9 +86,9 @@ def test_a_step_of_many_requests_is_one_message_of_columns() -> None:
 def test_failures_carry_the_status_generate_would_return() -> None:
     async def run() -> None:
         s, _ = _session()
-        s.open(1, asyncio.ensure_future(_idle()), 0.0)
+        s.open(1, _idle, 0.0)
         s.fail(1, InvalidArgument("input_ids: 900 is out of range"))
-        s.open(2, asyncio.ensure_future(_idle()), 0.0)
+        s.open(2, _idle, 0.0)
         s.running(2, _req("r2"), lambda: None)
         s.entries[2].req.emit(FailEvent(Unavailable("the worker was lost")))  # type: ignore[union-attr]
         msg = s.take()
@@ -96,9 +96,11 @@ def test_failures_carry_the_status_generate_would_return() -> None:
         by = {e.handle: e for e in msg.ends}
         assert by[1].status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "input_ids" in by[1].error
         assert by[2].status_code == grpc.StatusCode.UNAVAILABLE.value[0] and by[2].finish_reason == 0
-        s.open(3, asyncio.ensure_future(_idle()), 0.0)
-        with pytest.raises(ValueError, match="already running"):  # the servicer answers INVALID_ARGUMENT
-            s.open(3, asyncio.ensure_future(_idle()), 0.0)
+        s.open(3, _idle, 0.0)
+        first = s.entries[3]
+        with pytest.raises(ValueError, match="already running"):  # the servicer ends the session: INVALID_ARGUMENT
+            s.open(3, _idle, 0.0)
+        assert s.entries[3] is first and not s.pending  # the running request is untouched
 
     asyncio.run(run())
 
@@ -106,9 +108,10 @@ def test_failures_carry_the_status_generate_would_return() -> None:
 def test_deadline_and_abort_and_close() -> None:
     async def run() -> None:
         s, loop = _session()
-        admitting = asyncio.ensure_future(_idle())
-        s.open(1, admitting, 0.05)  # expires while still admitting
-        s.open(2, asyncio.ensure_future(_idle()), 0.05)
+        s.open(1, _idle, 0.05)  # expires while still admitting
+        admitting = s.entries[1].task
+        assert admitting is not None
+        s.open(2, _idle, 0.05)
         r2 = _req("r2")
         s.running(2, r2, lambda: None)
         await asyncio.sleep(0.1)
@@ -120,11 +123,11 @@ def test_deadline_and_abort_and_close() -> None:
             1: grpc.StatusCode.DEADLINE_EXCEEDED.value[0], 2: grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
         }
         ended: list[int] = []
-        s.open(3, asyncio.ensure_future(_idle()), 0.0)
+        s.open(3, _idle, 0.0)
         s.running(3, _req("r3"), lambda: ended.append(3))
         s.cancel(3)
         assert loop.aborted[-1] == "r3"
-        s.open(4, asyncio.ensure_future(_idle()), 0.0)
+        s.open(4, _idle, 0.0)
         s.running(4, _req("r4"), lambda: ended.append(4))
         s.close()  # the client went away: every request still on the session is aborted
         assert loop.aborted[-1] == "r4" and sorted(ended) == [3, 4] and not s.entries

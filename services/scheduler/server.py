@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -164,11 +165,11 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
                 continue
             sub = m.submit
             try:
-                task = asyncio.create_task(self._admit_in_session(session, sub))
-                session.open(sub.handle, task, sub.timeout_s)
+                session.open(sub.handle, functools.partial(self._admit_in_session, session, sub), sub.timeout_s)
             except ValueError as e:
-                task.cancel()
-                session.fail(sub.handle, InvalidArgument(f"handle: {e}"))
+                # A client that reuses a running handle cannot tell its events apart: the session
+                # ends with INVALID_ARGUMENT (failing the handle would end the running request).
+                raise InvalidArgument(f"handle: {e}") from None
 
     async def _admit_in_session(self, session: Mux, sub: spb.SessionSubmit) -> None:
         """One submission: admitted under its own SERVER span (a child of the client's), or failed

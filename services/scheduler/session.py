@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,10 +64,12 @@ class Session:
     pending: list[tuple[int, Event]] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def open(self, handle: int, task: asyncio.Task[Any], timeout_s: float) -> None:
+    def open(self, handle: int, admit: Callable[[], Coroutine[Any, Any, None]], timeout_s: float) -> None:
+        """Start admitting ``handle`` (``admit()`` runs as a task). A handle that is already running
+        is ``ValueError`` and touches nothing: its events would be the running request's."""
         if handle in self.entries:
             raise ValueError(f"handle {handle} is already running in this session")
-        entry = self.entries[handle] = _Entry(task=task)
+        entry = self.entries[handle] = _Entry(task=asyncio.create_task(admit()))
         if timeout_s > 0:
             entry.timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, handle)
 
