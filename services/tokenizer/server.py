@@ -233,10 +233,9 @@ class StrataServicer(pgrpc.StrataServicer):
             while True:
                 final = pb.GenerateResponse(request_id=rid)
                 end = chunk.end
-                if end is not None and end.status_code:
-                    code = _CODES.get(end.status_code, grpc.StatusCode.UNKNOWN)
-                    span.set_status(Status(StatusCode.ERROR, f"{code.name}: {end.error}"))
-                    raise Relay(code, end.error or code.name)
+                failure = end if end is not None and end.status_code else None
+                if failure is not None:
+                    end = None  # its tokens (sampled before it failed) still go out first
                 if chunk.token_ids:
                     now = time.perf_counter()
                     if first is not None and self.metrics is not None:
@@ -261,6 +260,12 @@ class StrataServicer(pgrpc.StrataServicer):
                     final.finish_reason = end.finish_reason
                     final.usage.CopyFrom(end.usage)
                     final.error = end.error
+                if failure is not None and not final.finish_reason:
+                    if request.stream and final.token_ids:
+                        yield final
+                    code = _CODES.get(failure.status_code, grpc.StatusCode.UNKNOWN)
+                    span.set_status(Status(StatusCode.ERROR, f"{code.name}: {failure.error}"))
+                    raise Relay(code, failure.error or code.name)
                 if request.stream:
                     yield final
                 else:
