@@ -14,13 +14,25 @@ PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := strata/.generated
 PORT ?= 50051
 
-.PHONY: fuzz native bench-attention run test test-all soak bench bench-servers bench-vllm bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas bench-tp bench-overhead soak-hicache soak-text compose-certs lint protos install system-deps models clean
+.PHONY: fuzz native bench-attention run test test-unit test-engine test-services test-all soak bench bench-servers bench-vllm bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas bench-tp bench-overhead soak-hicache soak-text compose-certs lint protos install system-deps models clean
 
 run: install models
 	$(BIN)/strata up --model $(TINY) --port $(PORT)
 
 test: install models
 	$(BIN)/python -m pytest -q
+
+# One tier of the suite each: tests/unit (one piece alone, under a minute), tests/engine (the model, engine and
+# scheduler loop in-process, against transformers), tests/services (real processes, servers, etcd).
+# `make test` runs all three.
+test-unit: install models
+	$(BIN)/python -m pytest -q tests/unit
+
+test-engine: install models
+	$(BIN)/python -m pytest -q tests/engine
+
+test-services: install models
+	$(BIN)/python -m pytest -q tests/services
 
 # Everything, the slow soak and benchmark runs included.
 test-all: install models
@@ -31,7 +43,7 @@ soak: install models
 
 # The public-API fuzzer at length (make test runs 60 cases of each kind).
 fuzz: install models
-	STRATA_FUZZ_EXAMPLES=2000 $(BIN)/python -m pytest -q tests/test_fuzz_api.py
+	STRATA_FUZZ_EXAMPLES=2000 $(BIN)/python -m pytest -q tests/services/test_fuzz_api.py
 
 # Side-by-side benchmarks on the bench-size model (~10-15 min on 2 cores); writes docs/bench/ and docs/benchmarks.md.
 bench: install models $(BENCH_MODEL)/config.json

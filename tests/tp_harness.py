@@ -36,7 +36,7 @@ from services.common.step import (
     StateLoad,
     StepRequest,
 )
-from tests.test_host_ops import FakePort
+from tests.engine.test_host_ops import FakePort
 
 PAGE = 16  # host page tokens in the scenario
 

@@ -66,7 +66,7 @@ POLL_S = 0.25
 # 2-core box (~2x the worst growth seen): a median of thirds rather than last minus first, so one
 # allocator step or trim at an end of the window does not decide the verdict.
 #
-# Scaled load (tests/test_hicache_soak.py, 512-token requests): the Python services' growth stayed
+# Scaled load (tests/services/test_hicache_soak.py, 512-token requests): the Python services' growth stayed
 # within ±1.8 MiB (7 runs of 20-40 repetitions; kvstore: its 4 MiB of pages churn through pymalloc
 # and glibc arenas; scheduler +0.1..+0.2; tokenizer ±0.2). The worker moved in glibc heap steps
 # (+4.2 MiB, or -24 MiB when it trimmed) until issue #19 (one engine thread, 2 arenas, a periodic

@@ -16,7 +16,7 @@ Contracts:
   returned, ``get_tracer`` yields a no-op tracer and ``inject_context`` returns ``{}``.
 - Interceptors carry W3C ``traceparent``/``tracestate`` in gRPC metadata (opentelemetry-
   instrumentation-grpc's aio interceptors, verified with unary, server-streaming and bidi calls in
-  tests/test_telemetry.py). Streaming server handlers must be async generators (``yield``), not
+  tests/services/test_telemetry.py). Streaming server handlers must be async generators (``yield``), not
   ``context.write`` coroutines: the server interceptor iterates the handler.
 - A request multiplexed inside a stream (the worker's Step carries many requests) carries its own
   context as a ``dict[str, str]`` field: ``inject_context`` on the sender, ``extract_context`` on the

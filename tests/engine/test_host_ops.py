@@ -1,7 +1,7 @@
 """The worker's host / L3 step ops on the real engine (tiny Qwen3): copies round-trip bit for bit,
 bad ops are refused before anything runs, and a slow, short or broken kvstore is a failed or
 short job (never a failed step). The kvstore port is a stand-in here (a unit test of the engine's
-side); tests/test_memory_tiers.py and tests/test_hicache_e2e.py use a real kvstore."""
+side); tests/engine/test_memory_tiers.py and tests/services/test_hicache_e2e.py use a real kvstore."""
 
 from __future__ import annotations
 

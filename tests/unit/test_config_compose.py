@@ -25,7 +25,7 @@ from services.common.telemetry import from_environment
 from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_unknown_key_is_rejected_with_its_name() -> None:

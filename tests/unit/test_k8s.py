@@ -28,7 +28,7 @@ from services.scheduler.config import SchedulerConfig
 from services.tokenizer.config import TokenizerConfig
 from services.worker.config import WorkerConfig
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
 TREES = ("base", "overlays/cpu-tiny", "overlays/tp2")
 # The Kubernetes release whose API schemas the objects must satisfy (docs/kubernetes.md says it too).

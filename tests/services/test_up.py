@@ -22,7 +22,7 @@ import pytest
 from services.common.etcd_proc import free_port
 from services.common.server import Server
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_taken_grpc_port_is_an_error() -> None:

@@ -187,7 +187,7 @@ def test_guard_makes_touching_uncommitted_pages_fatal() -> None:
         "print('survived', flush=True)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          cwd=Path(__file__).resolve().parents[1])
+                          cwd=Path(__file__).resolve().parents[2])
     assert proc.stdout.split() == ["ok"], proc.stderr
     assert proc.returncode == -11  # SIGSEGV
 

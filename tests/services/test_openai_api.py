@@ -30,8 +30,8 @@ from strata.scheduler.v1 import scheduler_pb2 as spb
 from strata.scheduler.v1 import scheduler_pb2_grpc as sgrpc
 from strata.v1 import strata_pb2 as pb
 from strata.v1 import strata_pb2_grpc as pgrpc
+from tests.engine.test_structured import SCHEMA
 from tests.reference import hf_greedy, hf_tokenizer
-from tests.test_structured import SCHEMA
 
 KEY = "sk-test-strata"
 MODEL = "qwen3-tiny"

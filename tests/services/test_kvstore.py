@@ -408,7 +408,7 @@ def test_runs_as_a_process_and_stops_on_sigterm() -> None:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.kvstore.server", "--port", str(port), "--capacity-bytes", "1048576"],
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -19,7 +19,7 @@ from services.tokenizer.server import TokenizerMetrics
 from services.worker.config import WorkerConfig
 from services.worker.server import WorkerMetrics
 
-DOC = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+DOC = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
 
 
 @pytest.mark.parametrize("cls", [TokenizerConfig, SchedulerConfig, WorkerConfig, KVStoreConfig])

@@ -1,7 +1,7 @@
 """The host / L3 tier for Mamba states (hybrid models), worker side: ``StateBackup`` /
 ``StateLoad`` and ``states=True`` L3 ops on the real tiny Qwen3-Next engine round-trip real
 recurrent states bit for bit, run in op order, and bad ops are refused (naming the field and the
-value) before any op runs. The kvstore port is ``tests.test_host_ops.FakePort`` (a unit test of
+value) before any op runs. The kvstore port is ``tests.engine.test_host_ops.FakePort`` (a unit test of
 the engine's side)."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from services.worker.engine import Engine, EngineConfig
 from services.worker.host_states import HostStatePool
 from services.worker.mamba_pool import MambaPool, MambaSpec
 from services.worker.server import engine_config
-from tests.test_host_ops import FakePort
+from tests.engine.test_host_ops import FakePort
 
 MAMBA_SLOTS = 8
 HOST_BYTES = 1 << 20

@@ -3,7 +3,7 @@
 One test per finding of the outside probe (issue #18), each of which failed on the code before it:
 an idle pause past the keepalive window, a 10 MB prompt, undecodable requests, a rejected duplicate
 request id, a SIGKILLed worker under load, a SIGKILLed and restarted scheduler. Run alone with
-``pytest tests/test_faults.py``.
+``pytest tests/services/test_faults.py``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The cascade is exact: a decode batch whose rows really share leading slots gives
 decode's result, with the groups given by hand (each with a member that leaves the others part-way,
 so the group shares less than most of its members hold in common) or found by
 ``find_prefix_groups``, and without groups. The launcher rejects bad arguments with a ``ValueError``
-that names the argument. The Triton kernels themselves run in ``tests/test_kernels_triton.py``.
+that names the argument. The Triton kernels themselves run in ``tests/engine/test_kernels_triton.py``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kernels.cascade_triton import (
     tail_decode_torch,
 )
 from kernels.prefix_groups import find_prefix_groups
-from tests.test_kernels_triton import (
+from tests.engine.test_kernels_triton import (
     BF16_TOLERANCE,
     CASCADE_CASES,
     CASCADE_OVERHANG,

@@ -25,7 +25,7 @@ import torch
 if TYPE_CHECKING:
     from kernels.prefix_groups import PrefixGroups
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FP32_TOLERANCE = 1e-5
 HALF_TOLERANCE = 1e-2
 BF16_TOLERANCE = 2e-2  # one bf16 rounding of the output is 2**-8 relative

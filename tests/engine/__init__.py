@@ -1,0 +1,1 @@
+"""Engine tier: the model, engine and scheduler loop in-process, against transformers."""

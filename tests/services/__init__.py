@@ -1,0 +1,1 @@
+"""Services tier: real processes, real gRPC / HTTP servers, a real etcd."""
