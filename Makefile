@@ -73,12 +73,12 @@ $(BENCH_MODEL)/config.json: | install
 # Hybrid (Qwen3-Next) vs dense prefix reuse on a multi-turn trace, and Marconi vs LRU state
 # eviction (~5 min); writes docs/bench/hybrid.json and prints the table of docs/benchmarks.md.
 bench-hybrid: install $(BENCH_MODEL)/config.json $(BENCH_NEXT)/config.json
-	$(BIN)/python -m services.bench.hybrid --dense $(BENCH_MODEL) --hybrid $(BENCH_NEXT)
+	$(BIN)/python -m benchmarks.hybrid --dense $(BENCH_MODEL) --hybrid $(BENCH_NEXT)
 
 # Elastic KV + Mamba pools vs static splits of one budget on a phase-changing load (~3 min);
 # writes docs/bench/elastic.json and prints the table of docs/benchmarks.md.
 bench-elastic: install $(BENCH_NEXT)/config.json
-	$(BIN)/python -m services.bench.elastic --model $(BENCH_NEXT) --repeats 7
+	$(BIN)/python -m benchmarks.elastic --model $(BENCH_NEXT) --repeats 7
 
 $(BENCH_NEXT)/config.json: | install
 	$(BIN)/strata model tiny --arch qwen3-next --size bench --out $(BENCH_NEXT)
@@ -86,22 +86,22 @@ $(BENCH_NEXT)/config.json: | install
 # kvstore put / get GB/s through real server processes (memory and file backends, 1 and 2 shards)
 # against a memcpy of the same bytes (~20 s); writes docs/bench/kvstore.json and prints the table.
 bench-kvstore: install
-	$(BIN)/python -m services.bench.kvstore_bw
+	$(BIN)/python -m benchmarks.kvstore_bw
 
 # The hierarchical-cache soak at full size for an hour, dense and hybrid at once (24 clients x 12
 # rounds x 2,048-token requests, L3 on, one worker thread each): RSS of every service, the worker's
 # memory by owner, slopes over the last half; writes docs/bench/hicache_soak{,_hybrid}.{json,png}.
 soak-hicache: install models
-	$(BIN)/python -m services.bench.hicache_soak --model $(TINY) --minutes 60 --worker-threads 1 \
+	$(BIN)/python -m benchmarks.hicache_soak --model $(TINY) --minutes 60 --worker-threads 1 \
 	  --run-dir .runs/soak-dense --out docs/bench/hicache_soak.json --plot docs/bench/hicache_soak.png & \
-	$(BIN)/python -m services.bench.hicache_soak --model $(TINY_NEXT) --minutes 60 --worker-threads 1 \
+	$(BIN)/python -m benchmarks.hicache_soak --model $(TINY_NEXT) --minutes 60 --worker-threads 1 \
 	  --run-dir .runs/soak-hybrid --out docs/bench/hicache_soak_hybrid.json --plot docs/bench/hicache_soak_hybrid.png; \
 	  s=$$?; wait $$!; d=$$?; exit $$((s | d))
 
 # TTFT of a long prompt recomputed vs from the device, the host pool and L3 (a kvstore process) at
 # 1k/2k/4k tokens (~1 min on 2 cores); writes docs/bench/hicache.json and prints the table of docs/benchmarks.md.
 bench-hicache: install $(BENCH_MODEL)/config.json
-	$(BIN)/python -m services.bench.hicache --model $(BENCH_MODEL)
+	$(BIN)/python -m benchmarks.hicache --model $(BENCH_MODEL)
 
 # Attention paths (reference, flat, cascade; gathered or native) on the bench model's shapes against
 # the floor measured in the same run (~1 min); prints a table.
@@ -109,23 +109,23 @@ bench-attention: install
 	$(BIN)/python benchmarks/attention_micro.py
 
 bench-hicache-hybrid: install $(BENCH_NEXT)/config.json
-	$(BIN)/python -m services.bench.hicache --model $(BENCH_NEXT)
+	$(BIN)/python -m benchmarks.hicache --model $(BENCH_NEXT)
 
 # 4 replicas: kv vs round_robin vs least_load routing (and round_robin + shared L3) on multi-turn and shared-prefix traces, plus router cost (~8 min on 2 cores); writes docs/bench/replicas.json.
 bench-replicas: install $(BENCH_MODEL)/config.json
-	$(BIN)/python -m services.bench.replicas --model $(BENCH_MODEL) --run-dir .runs/bench-replicas
+	$(BIN)/python -m benchmarks.replicas --model $(BENCH_MODEL) --run-dir .runs/bench-replicas
 
 # The tokenizer's text path for an hour (issue #18): the L3 soak's load as chat messages of words,
 # 16 detokenized tokens per answer; writes docs/bench/text_soak.{json,png}.
 soak-text: install models
-	$(BIN)/python -m services.bench.hicache_soak --model $(TINY) --minutes 60 --worker-threads 1 --text \
+	$(BIN)/python -m benchmarks.hicache_soak --model $(TINY) --minutes 60 --worker-threads 1 --text \
 	  --max-new-tokens 16 --request-tokens 1024 --run-dir .runs/soak-text --out docs/bench/text_soak.json \
 	  --plot docs/bench/text_soak.png
 
 # Tensor parallelism: step time TP 1 vs TP 2 (gloo, 2 cores) and bytes all-reduced per decode
 # token (~2 min); writes docs/bench/tp.json and prints the table of docs/benchmarks.md.
 bench-tp: install $(BENCH_MODEL)/config.json
-	$(BIN)/python -m services.bench.tp --model $(BENCH_MODEL) --repeats 5
+	$(BIN)/python -m benchmarks.tp --model $(BENCH_MODEL) --repeats 5
 
 # The control plane's CPU per output token (issue #26): 256 greedy streams x 256 tokens on a one-layer
 # near-null model through the gRPC and HTTP fronts, alternated, 3 repeats, plus one py-spy profile
@@ -143,7 +143,7 @@ compose-certs: install
 	$(BIN)/strata cert --out tls $(foreach h,$(COMPOSE_HOSTS),--host $(h))
 
 lint: install
-	$(BIN)/ruff check services kernels tests
+	$(BIN)/ruff check services kernels benchmarks tests
 	$(BIN)/mypy
 
 install: system-deps $(STAMP) $(PROTO_STAMP) native

@@ -13,6 +13,8 @@ groups (``flat``: runs read in place, the rest gathered, or the native paged ker
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -68,7 +70,7 @@ def decode_rows(
     k_new, v_new = k_cache[new], v_cache[new]
     flops = 4 * HQ * D * sum(lens)
     floor = max(flops / gflops / 1e9, distinct * 2 * HKV * D * 4 / gbs / 1e9)
-    paths = {
+    paths: dict[str, Callable[[], object]] = {
         "reference": lambda: decode_attention_torch(q, k_cache, v_cache, table, torch.tensor(rows),
                                                     torch.tensor(lens), SCALE),
     }
@@ -78,7 +80,7 @@ def decode_rows(
             continue
         groups = find_prefix_groups(table, rows, starts) if grouped else None
         plan = plan_attention(table, rows, starts, [1] * 64, groups, nat)
-        paths[label] = lambda plan=plan: run_attention(plan, q, k_new, v_new, k_cache, v_cache, SCALE)
+        paths[label] = partial(run_attention, plan, q, k_new, v_new, k_cache, v_cache, SCALE)
     for label, fn in paths.items():
         t = timed(fn)
         print(f"| {name} | {label} | {t * 1e3:.2f} | {floor * 1e3:.2f} | {t / floor:.2f} |")

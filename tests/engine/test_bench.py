@@ -243,7 +243,7 @@ def test_hybrid_bench_runs_every_side_and_writes_its_figures(
 ) -> None:
     """`make bench-hybrid` at toy size: dense and hybrid reuse every turn of the pure trace
     (hybrid / dense hit rate 1.0 here), and both policies complete the mixed trace."""
-    from services.bench import hybrid
+    from benchmarks import hybrid
 
     out = tmp_path / "hybrid.json"
     args = ["--dense", str(tiny_qwen3), "--hybrid", str(tiny_qwen3_next), "--clients", "3", "--rounds", "2",
@@ -261,7 +261,7 @@ def test_hybrid_bench_runs_every_side_and_writes_its_figures(
 def test_elastic_bench_runs_static_splits_and_elastic(tiny_qwen3_next: Path, tmp_path: Path) -> None:
     """The phase benchmark at toy size: every run completes both phases under one budget, and the
     elastic run resizes and holds no more than its working set when idle."""
-    from services.bench import elastic
+    from benchmarks import elastic
 
     out = tmp_path / "elastic.json"
     args = ["--model", str(tiny_qwen3_next), "--budget", str(1 << 20), "--rows", "8", "--long", "2",

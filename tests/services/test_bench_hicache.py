@@ -1,4 +1,4 @@
-"""Smoke test of the hierarchical-cache TTFT benchmark (``services.bench.hicache``) on the tiny
+"""Smoke test of the hierarchical-cache TTFT benchmark (``benchmarks.hicache``) on the tiny
 models, dense and hybrid: every tier serves every prompt with the recomputed token, the counters
 show that tier served it, and the JSON has its shape. Timings are not checked: they are the
 benchmark's business, not a test's."""
@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from services.bench import hicache
+from benchmarks import hicache
 
 PAGE = 16  # short prompts still span several host / L3 pages
 LENGTHS = (40, 97)

@@ -1,4 +1,4 @@
-"""Smoke test of the replicas benchmark (``services.bench.replicas``) on the tiny model with two
+"""Smoke test of the replicas benchmark (``benchmarks.replicas``) on the tiny model with two
 replicas, and of its router-cost microbenchmark at a small size. Timings are not checked: they are
 the benchmark's business. What is: the report has its shape, every request is accounted for per
 replica, and on a shared-prefix trace that round-robin scatters KV-aware routing reuses more."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.bench import replicas
+from benchmarks import replicas
 
 CLIENTS, TURNS = 2, 2
 GROUPS, PER_GROUP, SYSTEM = 3, 6, 256

@@ -6,7 +6,7 @@ enough that the device, the host pool and the kvstore all evict; the RSS of ever
 flat after the warm-up and the kvstore's bytes at or under its cap at every sample. Scaled down
 here (~30 s, and ~15 s more to show the bar can fail); the full load (24 clients × 12 rounds ×
 2,048-token requests, ~4 minutes) is ``make soak``.
-The load and the figures are ``services.bench.hicache_soak``.
+The load and the figures are ``benchmarks.hicache_soak``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from services.bench.hicache_soak import (
+from benchmarks.hicache_soak import (
     FULL_BARS_MIB,
     HOUR_SLOPE_BARS,
     SCALED_BARS_MIB,

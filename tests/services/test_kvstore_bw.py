@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.bench import kvstore_bw
+from benchmarks import kvstore_bw
 from services.kvstore.client import KVStoreClient, KVStoreUnavailable
 
 PAGE = 256 * 1024

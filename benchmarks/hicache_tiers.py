@@ -1,4 +1,4 @@
-"""Forcing and proving a tier for ``services.bench.hicache``: the flushes that empty and scribble
+"""Forcing and proving a tier for ``benchmarks.hicache``: the flushes that empty and scribble
 over the device and host tiers, and the counters that say which tier served a request, for a dense
 worker and a hybrid one (KV pages *and* Mamba states): one host tier design for both.
 

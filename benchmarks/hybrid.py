@@ -1,6 +1,6 @@
 """Prefix reuse on a hybrid model vs a dense one, and the state checkpoint/eviction policy vs LRU.
 
-    python -m services.bench.hybrid --dense models/qwen3-bench --hybrid models/qwen3-next-bench
+    python -m benchmarks.hybrid --dense models/qwen3-bench --hybrid models/qwen3-next-bench
 
 One multi-turn trace (``--clients`` conversations × ``--rounds`` turns, the history growing by a
 new request and the answer every turn, all conversations open at once) is replayed in-process on:

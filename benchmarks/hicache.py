@@ -1,7 +1,7 @@
 """TTFT of a long prompt recomputed vs served from each tier of the hierarchical KV cache.
 
-    python -m services.bench.hicache --model models/qwen3-bench [--lengths 1024,2048,4096] [--repeats 3]
-    python -m services.bench.hicache --model models/qwen3-next-bench   # hybrid: KV pages + Mamba states
+    python -m benchmarks.hicache --model models/qwen3-bench [--lengths 1024,2048,4096] [--repeats 3]
+    python -m benchmarks.hicache --model models/qwen3-next-bench   # hybrid: KV pages + Mamba states
 
 One worker (an engine with a host pool and a kvstore port), one scheduler loop and one kvstore
 server — its own process by default, reached through gRPC on loopback — with the services'
@@ -49,8 +49,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from services.bench.hicache_rig import Sizes, kvstore, model_sizes, pools
-from services.bench.hicache_tiers import TIERS, Tier, Tiers, serving
+from benchmarks.hicache_rig import Sizes, kvstore, model_sizes, pools
+from benchmarks.hicache_tiers import TIERS, Tier, Tiers, serving
 from services.bench.runner import greedy_req
 from services.common.step import HOST_PAGE_TOKENS
 from services.kvstore.sharded import ShardedKVStore

@@ -1,7 +1,7 @@
 """Many replicas, one cache (issue #20): KV-aware routing vs round-robin vs least-load over N
 scheduler + worker replicas, side by side in one run, and the router's own cost.
 
-    python -m services.bench.replicas --model models/qwen3-bench [--replicas 4] [--repeats 2]
+    python -m benchmarks.replicas --model models/qwen3-bench [--replicas 4] [--repeats 2]
         [--setups single,kv,round_robin,least_load,round_robin+l3] [--clients 16] [--turns 6]
         [--turn-tokens 160] [--answer-tokens 32] [--groups 8] [--group-requests 8] [--system-tokens 1024]
         [--user-tokens 64] [--shared-concurrency 8] [--out docs/bench/replicas.json]     (make bench-replicas)
@@ -76,7 +76,7 @@ from typing import Any, cast
 
 import grpc
 
-from services.bench.hicache_soak import kv_bytes_per_token
+from benchmarks.hicache_soak import kv_bytes_per_token
 from services.bench.metrics import summarize
 from services.bench.runner import GrpcBackend, replay, warm_up
 from services.bench.workloads import (

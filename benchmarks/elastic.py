@@ -1,6 +1,6 @@
 """Elastic pools vs static splits on a phase-changing workload (hybrid model, one byte budget).
 
-    python -m services.bench.elastic --model models/qwen3-next-bench
+    python -m benchmarks.elastic --model models/qwen3-next-bench
 
 Phase 1 (KV-heavy): ``--long`` requests of ``--long-len`` prompt tokens, all at once.
 Phase 2 (state-heavy): ``--short`` requests of ``--short-len`` tokens, all at once.

@@ -1,4 +1,4 @@
-"""What ``services.bench.hicache`` stands on: the pool sizes a model needs and the kvstore server
+"""What ``benchmarks.hicache`` stands on: the pool sizes a model needs and the kvstore server
 (L3), in its own process or on the bench's event loop."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Hierarchical-cache soak (issue #7): a multi-turn load with the L3 tier on, repeated; the RSS of
 every service must stay flat after warm-up and the kvstore must stay under its cap.
 
-    python -m services.bench.hicache_soak --model models/qwen3-tiny [--clients 24] [--rounds 12]
+    python -m benchmarks.hicache_soak --model models/qwen3-tiny [--clients 24] [--rounds 12]
         [--request-tokens 2048] [--parallel 0] [--repetitions 20] [--warmup 4]
         [--device-tokens 8192] [--host-tokens 16384] [--l3-tokens 65536] [--out docs/bench/hicache_soak.json]
 

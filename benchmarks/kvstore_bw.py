@@ -1,6 +1,6 @@
 """kvstore put / get bandwidth against a raw memcpy of the same bytes, on this machine.
 
-    python -m services.bench.kvstore_bw [--page-bytes N] [--total-mib M] [--shards 1 2]
+    python -m benchmarks.kvstore_bw [--page-bytes N] [--total-mib M] [--shards 1 2]
                                         [--backend memory file] [--out docs/bench/kvstore.json]
 
 For each backend and shard count: start that many kvstore server processes on loopback (each with
@@ -59,7 +59,7 @@ MAX_PAGE_BYTES = 64 * MiB  # the server's default --max-page-bytes
 MEMCPY_REPEATS = 3
 _START_TIMEOUT_S = 30.0
 _STOP_TIMEOUT_S = 10.0
-_REPO = Path(__file__).resolve().parents[2]
+_REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ GPUs is the traffic: bytes all-reduced per decode step per token (per rank), whi
 sharding of ``services.worker.tp`` is ``2 x layers x hidden x dtype bytes`` (one all-reduce after
 attention, one after the MLP).
 
-    python -m services.bench.tp --model models/qwen3-bench [--repeats 5] [--out docs/bench/tp.json]
+    python -m benchmarks.tp --model models/qwen3-bench [--repeats 5] [--out docs/bench/tp.json]
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def run_once(size: int, args: dict[str, Any]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m services.bench.tp", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.tp", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=256)
