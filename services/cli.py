@@ -49,7 +49,8 @@ def _stack_args(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
         worker += ("--host-cache-bytes", str(args.host_cache_bytes), "--l3", "true")
     scheduler = given(
         ("--max-running", args.max_running), ("--max-prefill-tokens", args.max_prefill_tokens),
-        ("--max-waiting", args.max_waiting),
+        ("--max-waiting", args.max_waiting), ("--speculative-algorithm", args.speculative_algorithm),
+        ("--speculative-num-draft-tokens", args.speculative_num_draft_tokens),
     )
     tokenizer = given(("--api-key", args.api_key), ("--api-key-file", args.api_key_file),
                       ("--model-name", args.served_model_name), ("--router-policy", args.router_policy))
@@ -211,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-prefill-tokens", "--chunked-prefill-size", dest="max_prefill_tokens", type=int,
                     default=None, help="prompt tokens per step: longer prompts are prefilled in chunks")
     up.add_argument("--max-waiting", type=int, default=None, help="queued requests before 429 / RESOURCE_EXHAUSTED")
+    up.add_argument("--speculative-algorithm", default=None, choices=["ngram"],
+                    help="speculative decoding: ngram drafts from each request's own context (default off)")
+    up.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                    help="draft tokens verified per step at most (default 4)")
     up.add_argument("--no-metrics", dest="metrics", action="store_false",
                     help="no Prometheus endpoints (default: one per service, listed at start)")
     up.add_argument("--trace-exporter", default="none", choices=["none", "console", "file", "otlp"],

@@ -60,13 +60,17 @@ async def one(loop: SchedulerLoop, rid: str, spec: Spec) -> Outcome:
 
 
 def run(
-    engine: Engine, specs: list[Spec], cfg: LoopConfig, waves: int = 1
+    engine: Engine, specs: list[Spec], cfg: LoopConfig, waves: int = 1,
+    setup: Callable[[SchedulerLoop], None] | None = None,
 ) -> tuple[list[Outcome], SchedulerLoop]:
-    """Submit every spec at once (``waves`` times in sequence); returns outcomes in spec order."""
+    """Submit every spec at once (``waves`` times in sequence); returns outcomes in spec order.
+    ``setup`` sees the loop once its worker is attached, before any request."""
 
     async def main() -> tuple[list[Outcome], SchedulerLoop]:
         loop = SchedulerLoop(cfg)
         loop.attach(InProcessWorkerLink(engine))
+        if setup is not None:
+            setup(loop)
         stop = asyncio.Event()
         task = asyncio.create_task(loop.run(stop))
         outs: list[Outcome] = []

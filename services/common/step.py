@@ -192,6 +192,11 @@ class ReqInput:
     # Overlap with a grammar: this sample's bitmask depends on the previous step's token, so it
     # arrives after the step (``LateMasks``); the worker runs the forward and waits for it.
     mask_follows: bool = False
+    # Speculative decoding: the last ``num_draft`` input ids are draft tokens to verify. The worker
+    # samples after every one of the ``num_draft + 1`` inputs (output indices ``output_index``,
+    # ``output_index + 1``, ...) and keeps the samples up to and including the first that differs
+    # from the next draft token: 1 to ``num_draft + 1`` tokens, the KV of the rejected drafts void.
+    num_draft: int = 0
 
     @property
     def num_new(self) -> int:

@@ -194,6 +194,7 @@ def _batch_to_pb(reqs: list[ReqInput]) -> wpb.ReqColumns:
             for i, r in enumerate(reqs)
             if r.history_ids or r.token_bitmask or r.trace_context
         ],
+        num_draft=[r.num_draft for r in reqs] if any(r.num_draft for r in reqs) else [],
     )
 
 
@@ -208,6 +209,9 @@ def _batch_from_pb(m: wpb.ReqColumns) -> list[ReqInput]:
     bad = next((i for i, f in enumerate(flags) if f & ~_ALL_FLAGS), None)
     if bad is not None:
         raise ValueError(f"batch.flags[{bad}]={flags[bad]} sets bits outside ReqFlag ({_ALL_FLAGS:#x})")
+    drafts = list(m.num_draft)
+    if drafts and len(drafts) != n:
+        raise ValueError(f"batch.num_draft has {len(drafts)} entries for {n} requests (batch.rows; or none)")
     table = [sampling_from_pb(p) for p in m.sampling_table]
     sampling_index = list(m.sampling_index)
     if sampling_index and max(sampling_index) >= len(table):
@@ -254,6 +258,8 @@ def _batch_from_pb(m: wpb.ReqColumns) -> list[ReqInput]:
         r.history_ids = list(e.history_ids)
         r.token_bitmask = e.token_bitmask or None
         r.trace_context = dict(e.trace_context)
+    for r, d in zip(reqs, drafts, strict=False):  # range checks against the inputs: check_step
+        r.num_draft = d
     return reqs
 
 

@@ -22,6 +22,7 @@ from services.common.step import CacheOp, JobResult, LateMasks, ReqInput, StepRe
 from services.scheduler.elastic_control import ElasticControl
 from services.scheduler.memory import Memory
 from services.scheduler.request import Finish, FinishEvent, Fork, Req, TokenEvent
+from services.scheduler.speculative import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class Plan:
     prefills: list[Req] = field(default_factory=list)  # inputs that were prefill chunks
     late: list[Req] = field(default_factory=list)  # samples whose grammar mask is sent after commit
     sampled: list[Req] = field(default_factory=list)  # those with sample=True, in order
+    drafts: list[int] = field(default_factory=list)  # per sampled request, its draft tokens (0: none)
     forks: list[tuple[Req, Fork]] = field(default_factory=list)  # checkpoints to insert on commit
 
 
@@ -93,6 +95,8 @@ class Batcher:
         # Called with the seconds from submit to first admission (the queue-time metric).
         self.on_queue_wait: Callable[[float], None] | None = None
         self.late_masks_sent = 0  # grammar masks sent after their step (overlap with grammars)
+        self.spec: Speculator | None = None  # speculative decoding (set by the loop when on)
+        self._drafts: dict[int, list[int]] = {}  # id(req) -> this plan's drafts
 
     @property
     def idle(self) -> bool:
@@ -105,6 +109,7 @@ class Batcher:
             busy = bool(self.running or self.waiting)
             self.resize_ops += self.elastic.before_plan(list(self.waiting), busy)
         inputs: list[tuple[Req, int]] = []  # (req, number of new tokens)
+        self._drafts.clear()
         decodes = self._schedule_decodes(inputs)
         budget = self.limits.max_prefill_tokens
         for req in self.running:
@@ -131,24 +136,34 @@ class Batcher:
         for req, n in inputs:
             if id(req) not in decoding:  # a prefill chunk: its tokens go into the tree on commit
                 plan.prefills.append(req)
-            ri = self._input(req, n)
+            ri = self._input(req, n, self._drafts.get(id(req), []))
             if (fork := self.mem.planned(req)) is not None:
                 plan.forks.append((req, fork))
             if ri.mask_follows:
                 plan.late.append(req)
             plan.step.reqs.append(ri)
             plan.reqs.append(req)
-            if plan.step.reqs[-1].sample:
+            if ri.sample:
                 plan.sampled.append(req)
+                plan.drafts.append(ri.num_draft)
         return plan
 
     def _schedule_decodes(self, inputs: list[tuple[Req, int]]) -> list[Req]:
         """One token for each decoding request (retracting the newest when memory is short);
         returns the requests scheduled to decode."""
         decodes = [r for r in self.running if _decoding(r) and self._may_decode(r)]
+        if self.spec is not None:  # a request that drafts waits for its token in flight first
+            n = len(decodes)
+            decodes = [r for r in decodes if not (r.inflight and self.spec.drafting(r, n))]
         i = 0
         while i < len(decodes):
             req = decodes[i]
+            draft = self.spec.draft(req, len(decodes)) if self.spec is not None else []
+            if draft and self._grant(req, 1 + len(draft)):  # short of memory: an ordinary decode
+                inputs.append((req, 1 + len(draft)))
+                self._drafts[id(req)] = draft
+                i += 1
+                continue
             if self._grant(req, 1):
                 inputs.append((req, 1))
                 i += 1
@@ -230,7 +245,9 @@ class Batcher:
                 return True
         return False
 
-    def _input(self, req: Req, n: int) -> ReqInput:
+    def _input(self, req: Req, n: int, draft: list[int]) -> ReqInput:
+        """The step's input for ``req``: its next ``n`` tokens, the last ``len(draft)`` of them
+        drafts to verify (speculative decoding)."""
         start = req.computed - n
         known = req.seq_len
         assert req.row is not None
@@ -239,19 +256,20 @@ class Batcher:
         ri = ReqInput(
             request_id=req.rid,
             row=req.row,
-            input_ids=[] if pending else req.tokens(start, n),
+            input_ids=[] if pending else req.tokens(start, n - len(draft)) + draft,
             use_last_sample=pending,
             start_pos=start,
             new_slots=req.slots[start:],
             prefix_slots=req.slots[:start] if not req.sent_history or req.row_dirty else [],
             mamba_slot=req.mamba_slot,
-            sample=start + n == known + req.inflight,
+            sample=start + n - len(draft) == known + req.inflight,
             sampling=req.gen.sampling,
             seed=req.seed,
             output_index=len(req.output) + req.inflight,
             return_logprobs=req.gen.return_logprobs,
             top_logprobs=req.gen.top_logprobs,
             trace_context=req.trace_context if not req.sent_history else {},
+            num_draft=len(draft),
         )
         if ri.sample:
             if req.grammar is not None:
@@ -276,9 +294,13 @@ class Batcher:
         return LateMasks(plan.step.step_id, masks)
 
     # -- commit ---------------------------------------------------------------------------------
-    def commit(self, plan: Plan, sampled: list[tuple[int, object]], jobs: Sequence[JobResult] = ()) -> None:
+    def commit(
+        self, plan: Plan, sampled: list[tuple[int, object]], jobs: Sequence[JobResult] = (), rows: Sequence[int] = ()
+    ) -> None:
         """Record the samples (token id, logprob or None) of ``plan.sampled``, in order, and the
-        acknowledgements of the step's host and L3 jobs."""
+        acknowledgements of the step's host and L3 jobs. A request that verified drafts has 1 to
+        ``drafts + 1`` consecutive samples, told apart by ``rows`` (each sample's row; needed only
+        when the plan carries drafts)."""
         self.mem.on_results(list(jobs))
         for req in plan.prefills:
             if req.finished is None and not req.aborted and req.row is not None:
@@ -286,6 +308,9 @@ class Batcher:
         for req, fork in plan.forks:
             if req.finished is None and not req.aborted and req.row is not None:
                 self.mem.commit_fork(req, fork)
+        if any(plan.drafts):
+            self._commit_verified(plan, sampled, rows)
+            return
         for req, (tok, lp) in zip(plan.sampled, sampled, strict=True):
             req.inflight -= 1
             if req.finished is not None or req.aborted:
@@ -299,6 +324,38 @@ class Batcher:
             reason = self._stop_reason(req, tok)
             if reason is not None:
                 self.finish(req, reason)
+
+    def _commit_verified(self, plan: Plan, sampled: list[tuple[int, object]], rows: Sequence[int]) -> None:
+        """``commit`` for a plan with drafts: each request's kept samples (up to ``drafts + 1``, the
+        same row) are appended up to a stop; the slots of rejected drafts are given back first, so
+        only accepted tokens ever reach the cache."""
+        if len(rows) != len(sampled):
+            raise ValueError(f"{len(sampled)} samples with {len(rows)} rows for a plan with drafts")
+        k = 0
+        for req, d in zip(plan.sampled, plan.drafts, strict=True):
+            if k >= len(sampled):
+                raise ValueError(f"step {plan.step.step_id}: fewer samples than requests that sample")
+            n = 1
+            while n <= d and k + n < len(rows) and rows[k + n] == rows[k]:
+                n += 1
+            kept, k = sampled[k : k + n], k + n
+            req.inflight -= 1
+            if d:
+                if self.spec is not None:
+                    self.spec.record(req, d, n - 1)
+                if req.row is not None:  # still holds its slots: the rejected drafts' go back
+                    self.mem.truncate(req, req.computed - (d + 1 - n))
+            if req.finished is not None or req.aborted:
+                continue
+            for tok, lp in kept:
+                req.output.append(tok)
+                req.emit(TokenEvent((tok,), (lp,) if lp is not None else ()))  # type: ignore[arg-type]
+                reason = self._stop_reason(req, tok)
+                if reason is not None:
+                    self.finish(req, reason)
+                    break
+        if k != len(sampled):
+            raise ValueError(f"step {plan.step.step_id}: {len(sampled) - k} samples left over")
 
     def _stop_reason(self, req: Req, tok: int) -> Finish | None:
         g = req.gen

@@ -9,6 +9,7 @@ from services.common.config import ConfigError
 from services.scheduler.loop import LoopConfig
 from services.scheduler.memory import HiConfig
 from services.scheduler.memory.host import MAX_INFLIGHT_JOBS
+from services.scheduler.speculative import SpecConfig
 
 
 def _h(text: str) -> dict[str, str]:
@@ -76,6 +77,15 @@ class SchedulerConfig:
     hicache_max_inflight: int = field(
         default=MAX_INFLIGHT_JOBS, metadata=_h("hierarchical cache: backups, puts and prefetches in flight at once")
     )
+    speculative_algorithm: Literal["", "ngram"] = field(default="", metadata=_h(
+        "speculative decoding: 'ngram' drafts from the request's own prompt and output (prompt lookup), "
+        "verified by the worker in one forward; empty = off"))
+    speculative_num_draft_tokens: int = field(default=4, metadata=_h("speculative decoding: drafts per step at most"))
+    speculative_ngram_min: int = field(default=1, metadata=_h("ngram drafts: shortest suffix looked up"))
+    speculative_ngram_max: int = field(default=4, metadata=_h("ngram drafts: longest suffix looked up"))
+    speculative_max_batch: int = field(
+        default=32, metadata=_h("speculative decoding: draft only while at most this many requests decode")
+    )
     check_invariants: bool = field(default=True, metadata=_h("check KV accounting whenever idle"))
     metrics_port: int = field(default=-1, metadata=_h("Prometheus port; -1 = off, 0 = pick"))
     trace_exporter: Literal["none", "console", "file", "otlp"] = field(default="none", metadata=_h("spans"))
@@ -106,6 +116,19 @@ class SchedulerConfig:
             raise ConfigError("hicache_prefetch_timeout_s: must be >= 0")
         if self.checkpoint_every < 0:
             raise ConfigError("checkpoint_every: must be >= 0 (0 = max_prefill_tokens)")
+        try:
+            self.spec().validate()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def spec(self) -> SpecConfig:
+        return SpecConfig(
+            algorithm=self.speculative_algorithm,
+            num_draft_tokens=self.speculative_num_draft_tokens,
+            ngram_min=self.speculative_ngram_min,
+            ngram_max=self.speculative_ngram_max,
+            max_batch=self.speculative_max_batch,
+        )
 
     def loop(self) -> LoopConfig:
         return LoopConfig(
@@ -130,4 +153,5 @@ class SchedulerConfig:
                 prefetch_timeout_s=self.hicache_prefetch_timeout_s,
                 max_inflight_jobs=self.hicache_max_inflight,
             ),
+            spec=self.spec(),
         )

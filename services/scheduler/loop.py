@@ -28,6 +28,7 @@ from services.scheduler.elastic_control import ElasticConfig, ElasticControl
 from services.scheduler.memory import HiConfig, MemoryConfig, build_memory
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.request import FailEvent, Finish, FinishEvent, Req
+from services.scheduler.speculative import SpecConfig, Speculator
 from services.scheduler.worker_link import WorkerGone, WorkerLink
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class LoopConfig:
     elastic_idle_s: float = 5.0  # give pool memory back after this long idle
     elastic_min_kv_slots: int = 0  # the KV pool never shrinks below this; 0 = the context length
     hicache: HiConfig = field(default_factory=HiConfig)  # used when the worker has a host pool (and cache is radix)
+    spec: SpecConfig = field(default_factory=SpecConfig)  # speculative decoding (off by default)
 
 
 @dataclass(slots=True)
@@ -105,6 +107,11 @@ class SchedulerLoop:
             fcfs=self.cfg.policy == "fcfs",
         )
         batcher = Batcher(mem, limits, frozenset(info.eos_token_ids), info.context_length)
+        if cfg.spec.algorithm:
+            if info.tp_size > 1:
+                log.warning("speculative decoding is off: the worker runs tensor parallel (not supported yet)")
+            else:
+                batcher.spec = Speculator(cfg.spec, info.context_length)
         if cfg.elastic_budget_bytes:
             ecfg = ElasticConfig(cfg.elastic_budget_bytes, cfg.elastic_min_kv_slots, idle_s=cfg.elastic_idle_s)
             batcher.elastic = ElasticControl(ecfg, info, mem, self.ledger)
@@ -264,7 +271,9 @@ class SchedulerLoop:
                 if inflight and (plan is None or len(inflight) >= depth):
                     done, t0 = inflight.popleft()
                     result = await link.recv()  # receive
-                    batcher.commit(done, [(o.token_id, o.logprob) for o in result.outputs], result.jobs)  # commit
+                    outs = result.outputs
+                    rows = [o.row for o in outs] if any(done.drafts) else ()
+                    batcher.commit(done, [(o.token_id, o.logprob) for o in outs], result.jobs, rows)  # commit
                     if inflight and inflight[0][0].late:  # the next step waits for these masks
                         await link.send_masks(batcher.late_masks(inflight[0][0], link.info.vocab_size))
             except WorkerGone as e:

@@ -50,6 +50,14 @@ class SchedulerMetrics:
             "backup_pages, put_pages, prefetch_pages (asked of L3), prefetched_pages (arrived), failed_jobs.",
             ["event"],
         )
+        # Speculative decoding.
+        self.spec_events = m.counter(
+            "spec_events", "Speculative decoding: verify_steps (request-steps with drafts), draft_tokens "
+            "(sent), accepted_tokens (kept by the worker).", ["event"],
+        )
+        self.spec_draft_seconds = m.counter("spec_draft_seconds", "Time spent drafting.")
+        self._last_spec: dict[str, int] = {}
+        self._last_draft_s = 0.0
         self._last_hi: dict[str, int] = {}
         self._last_mamba: dict[str, int] = {}
         self._last = (0, 0, 0, 0)  # cached tokens, retractions, evicted, prompt tokens already counted
@@ -76,6 +84,14 @@ class SchedulerMetrics:
             self.host_pages.labels(state).set(n)
         self._last_mamba = self._count(self.mamba_events, stats.get("state_events", {}), self._last_mamba)
         self._last_hi = self._count(self.hicache_events, stats.get("host_events", {}), self._last_hi)
+        if batcher.spec is not None:
+            c = batcher.spec.counters
+            sums = {
+                "verify_steps": c.verify_steps, "draft_tokens": c.draft_tokens, "accepted_tokens": c.accepted_tokens,
+            }
+            self._last_spec = self._count(self.spec_events, sums, self._last_spec)
+            self.spec_draft_seconds.inc(c.draft_s - self._last_draft_s)
+            self._last_draft_s = c.draft_s
         self.generated_tokens.inc(len(result.outputs))
         self.step_seconds.observe(step_s)
         self.worker_forward_seconds.observe(result.forward_s)
@@ -104,3 +120,5 @@ class SchedulerMetrics:
         self._last = (0, 0, 0, 0)
         self._last_mamba = {}
         self._last_hi = {}
+        self._last_spec = {}
+        self._last_draft_s = 0.0

@@ -103,6 +103,8 @@ class Req:
     # Samples planned in steps whose results have not come back (overlap scheduling): the next
     # decode input is then the worker's last sample for this row, not a known id.
     inflight: int = 0
+    # Speculative decoding: how well this request's recent drafts were accepted (1 = all kept).
+    spec_score: float = 1.0
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     # Where events go instead of ``events``: a session's collector (``services.scheduler.session``),
     # which sends a whole step's events for all its requests as one message.

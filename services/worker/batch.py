@@ -53,7 +53,9 @@ class BatchInput:
     input_ids: list[list[int]]  # at least one id per request
     out_slots: list[list[int]]  # one slot per input id
     mamba_slots: list[int] | None  # None: the model has no Mamba state
-    want_logits: list[bool]  # logits for the last new token of each request
+    # Logits for the last ``want_logits[b]`` new tokens of request b: 0 or 1 (True), or
+    # 1 + num_draft for a request verifying draft tokens.
+    want_logits: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +112,8 @@ class ForwardBatch:
     ) -> ForwardBatch:
         """Flatten ``inp`` (at least one request, each with >= 1 token, validated by the caller).
 
-        ``all_logits`` asks for the logits of every new token (exactness tests); otherwise only
-        the last token of each request with ``want_logits`` gets logits.
+        ``all_logits`` asks for the logits of every new token (exactness tests); otherwise the last
+        ``want_logits[b]`` tokens of request b get logits.
 
         ``attention`` (``EngineConfig.attention``) with ``slot_table`` (the CPU copy of
         ``req_to_token``, already holding this step's slots): ``cascade`` finds the prefix groups;
@@ -134,7 +136,12 @@ class ForwardBatch:
         cu = [0, *accumulate(lens)]
         positions = [p for s, n in zip(start, lens, strict=True) for p in range(s, s + n)]
         want = inp.want_logits
-        logit_index = list(range(cu[-1])) if all_logits else [e - 1 for e, w in zip(cu[1:], want, strict=True) if w]
+        if all_logits:
+            logit_index = list(range(cu[-1]))
+        elif max(want) <= 1:
+            logit_index = [e - 1 for e, w in zip(cu[1:], want, strict=True) if w]
+        else:
+            logit_index = [i for e, w in zip(cu[1:], want, strict=True) for i in range(e - w, e)]
 
         def t(values: list[int]) -> torch.Tensor:
             return int64_tensor(values, device)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -225,7 +226,12 @@ class Engine:
             if self.host is not None:
                 result.jobs = self._finish_host()
             return result
+        drafting = [r for r in req.reqs if r.num_draft]
+        if drafting and self.tp.size > 1:
+            raise StepError(f"step {req.step_id}: draft tokens (num_draft) are not supported with tensor parallelism")
         t0 = time.perf_counter()
+        # Hybrid rows verifying drafts: their recurrent states from before the pass, to roll back.
+        saved = self.mamba.save([cast(int, r.mamba_slot) for r in drafting]) if drafting and self.mamba else None
         logits = self._forward(req.reqs, all_logits=False)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # so forward_s measures the forward, not the launch
@@ -250,7 +256,10 @@ class Engine:
                 raise
             if self.tp.size > 1:
                 self.tp.share_ints([o.token_id for o in result.outputs], n)
-        result.forward_s, result.sample_s = t1 - t0, time.perf_counter() - t2
+        t3 = time.perf_counter()
+        if saved is not None:
+            self._roll_back_states(drafting, saved, result.outputs)
+        result.forward_s, result.sample_s = t1 - t0 + time.perf_counter() - t3, t3 - t2
         if self.host is not None:  # L3 transfers ran alongside the forward
             result.jobs = self._finish_host()
         result.idle_s = t2 - t1 if late else 0.0  # waiting for the late masks
@@ -349,7 +358,8 @@ class Engine:
         self._row_len.update(zip(rows, (s + len(x) for s, x in zip(start, ids, strict=True)), strict=True))
         self._history.update((r.row, list(r.history_ids)) for r in reqs if r.history_ids)
         mamba = [r.mamba_slot for r in reqs if r.mamba_slot is not None]
-        inp = BatchInput(rows, start, ids, new_slots, mamba or None, [r.sample for r in reqs])
+        want = [r.sample * (1 + r.num_draft) for r in reqs]
+        inp = BatchInput(rows, start, ids, new_slots, mamba or None, want)
         batch = ForwardBatch.build(
             inp, self.device, all_logits=all_logits, slot_table=self.req_to_token.host,
             attention=self.cfg.attention, native_decode=self._native_decode,
@@ -365,26 +375,39 @@ class Engine:
         are one argmax over the batch; only the other rows become ``SamplerInput``s. The sampler
         treats each row on its own (its draws depend only on seed and output index), so sampling
         a subset gives each row the token it would get in the whole batch.
+
+        A request verifying drafts has one logits row per input (offset ``j`` samples output index
+        ``output_index + j``, after the drafts before it): every row is sampled as if it were an
+        ordinary decode, so a sample depends on (seed, output index) alone and speculation changes
+        no token, greedy or not; the request keeps the samples up to the first that differs from
+        the next draft (``accepted_len``).
         """
         chosen = [i for i, r in enumerate(reqs) if r.sample]
+        drafting = any(reqs[i].num_draft for i in chosen)
+        # One logits row per (request, offset).
+        cells = [(i, j) for i in chosen for j in range(reqs[i].num_draft + 1)] if drafting else [(i, 0) for i in chosen]
         general = [
-            j
-            for j, i in enumerate(chosen)
+            k
+            for k, (i, _) in enumerate(cells)
             if masks[i] is not None or reqs[i].return_logprobs or not _plain_greedy(reqs[i].sampling)
         ]
-        tokens: list[int] = logits.argmax(dim=1).tolist() if len(general) < len(chosen) else [0] * len(chosen)
+        tokens: list[int] = logits.argmax(dim=1).tolist() if len(general) < len(cells) else [0] * len(cells)
         logprobs: dict[int, TokenLogprob] = {}
         if general:
             inputs = []
-            for j in general:
-                r = reqs[chosen[j]]
+            for k in general:
+                i, j = cells[k]
+                r = reqs[i]
+                history = self._history.setdefault(r.row, []) if r.sampling.has_penalties else None
+                if history is not None and j:
+                    history = history + _drafts(r)[:j]
                 inputs.append(
                     SamplerInput(
                         params=r.sampling,
                         seed=r.seed,
-                        output_index=r.output_index,
-                        history=self._history.setdefault(r.row, []) if r.sampling.has_penalties else None,
-                        bitmask=_to(masks[chosen[j]], self.device),
+                        output_index=r.output_index + j,
+                        history=history,
+                        bitmask=_to(masks[i], self.device),
                         return_logprobs=r.return_logprobs,
                         top_logprobs=r.top_logprobs,
                     )
@@ -394,12 +417,51 @@ class Engine:
                 picks = sample(rows, inputs)
             except ValueError as e:
                 raise StepError(f"sampling failed: {e}") from e
-            for j, x, pick in zip(general, inputs, picks, strict=True):
-                tokens[j] = pick.token_id
+            for k, x, pick in zip(general, inputs, picks, strict=True):
+                tokens[k] = pick.token_id
                 if x.return_logprobs:
-                    logprobs[j] = pick
-        self._record_samples(reqs, tokens)
-        return [ReqOutput(reqs[i].row, t, logprobs.get(j)) for j, (i, t) in enumerate(zip(chosen, tokens, strict=True))]
+                    logprobs[k] = pick
+        if not drafting:
+            self._record_samples(reqs, tokens)
+            return [
+                ReqOutput(reqs[i].row, t, logprobs.get(k)) for k, (i, t) in enumerate(zip(chosen, tokens, strict=True))
+            ]
+        outputs: list[ReqOutput] = []
+        k = 0
+        for i in chosen:
+            r = reqs[i]
+            samples = tokens[k : k + r.num_draft + 1]
+            kept = samples[: accepted_len(samples, _drafts(r))]
+            outputs += [ReqOutput(r.row, t, logprobs.get(k + j)) for j, t in enumerate(kept)]
+            self._last_sample[r.row] = kept[-1]
+            if r.row in self._history:
+                self._history[r.row].extend(kept)
+            if r.num_draft:  # the row holds the input and the accepted drafts; the rest is void
+                self._row_len[r.row] = r.start_pos + len(kept)
+            k += r.num_draft + 1
+        return outputs
+
+    def _roll_back_states(self, drafting: list[ReqInput], saved: list[torch.Tensor], outputs: list[ReqOutput]) -> None:
+        """Hybrid rows whose drafts were not all accepted: their recurrent states went through the
+        rejected tokens, so put back the states from before the pass and run the kept inputs again
+        (the input token and the accepted drafts; their KV is rewritten with the same values)."""
+        kept = Counter(o.row for o in outputs)
+        redo = [j for j, r in enumerate(drafting) if kept[r.row] < r.num_draft + 1]
+        if not redo:
+            return
+        assert self.mamba is not None
+        self.mamba.restore([cast(int, r.mamba_slot) for r in drafting], saved, redo)
+        again = [drafting[j] for j in redo]
+        inp = BatchInput(
+            [r.row for r in again], [r.start_pos for r in again],
+            [r.input_ids[: kept[r.row]] for r in again], [r.new_slots[: kept[r.row]] for r in again],
+            [cast(int, r.mamba_slot) for r in again], [0] * len(again),
+        )  # fmt: skip
+        batch = ForwardBatch.build(
+            inp, self.device, slot_table=self.req_to_token.host, attention=self.cfg.attention,
+            native_decode=self._native_decode,
+        )
+        self.model.forward(batch, self._ctx)
 
     def _record_samples(self, reqs: list[ReqInput], ids: list[int]) -> None:
         """Remember each sampling request's token: the next decode's input and penalty history."""
@@ -434,6 +496,21 @@ def _host_tier(
             "host_state_share"
         ) from e
     return HostTier(pool, l3, states=states, tp_rank=tp.rank, tp_size=tp.size)
+
+
+def _drafts(r: ReqInput) -> list[int]:
+    """The draft tokens of ``r`` (the last ``num_draft`` input ids)."""
+    return r.input_ids[len(r.input_ids) - r.num_draft :]
+
+
+def accepted_len(samples: list[int], drafts: list[int]) -> int:
+    """How many of a verify pass's samples stand: ``samples[j]`` is sampled after the input and the
+    first ``j`` drafts, so it stands while ``drafts[:j]`` all equal the samples before them; the
+    first sample always does (it is the plain decode's token)."""
+    n = 1
+    while n < len(samples) and samples[n - 1] == drafts[n - 1]:
+        n += 1
+    return n
 
 
 def _plain_greedy(p: SamplingParams) -> bool:

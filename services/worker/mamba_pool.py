@@ -157,6 +157,19 @@ class MambaPool:
         for t in (*self.conv, *self.ssm):
             t.index_copy_(0, dst_i, t.index_select(0, src_i))
 
+    def save(self, slots: list[int]) -> list[torch.Tensor]:
+        """A copy of ``slots``' states in every layer (speculative decoding keeps the states from
+        before a verify pass, to put back where drafts are rejected); ``restore`` writes it back."""
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        return [t.index_select(0, idx) for t in (*self.conv, *self.ssm)]
+
+    def restore(self, slots: list[int], saved: list[torch.Tensor], which: list[int]) -> None:
+        """Write back entries ``which`` (indices into ``slots``) of a ``save`` of ``slots``."""
+        dst = torch.tensor([slots[i] for i in which], dtype=torch.long, device=self.device)
+        pick = torch.tensor(which, dtype=torch.long, device=self.device)
+        for t, kept in zip((*self.conv, *self.ssm), saved, strict=True):
+            t.index_copy_(0, dst, kept.index_select(0, pick))
+
     def reset(self, slot: int) -> None:
         """Zero ``slot`` in every layer (the state before any token)."""
         self._check(slot, "reset")

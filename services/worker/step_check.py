@@ -152,6 +152,15 @@ def _batch_passes(reqs: list[ReqInput], lim: _Limits, sampled: set[int], lengths
         and _within(list(chain.from_iterable(r.prefix_slots for r in reqs)), lim.num_slots)
         and _within([r.top_logprobs for r in reqs], lim.max_top_logprobs + 1)
         and _within(list(chain.from_iterable(r.history_ids for r in reqs)), lim.vocab_size)
+        and (not any(r.num_draft for r in reqs) or all(map(_drafts_pass, reqs)))
+    )
+
+
+def _drafts_pass(r: ReqInput) -> bool:
+    """``_check_tokens``'s rule for draft tokens."""
+    return not r.num_draft or (
+        0 < r.num_draft < len(r.input_ids)
+        and r.sample and not r.use_last_sample and not r.mask_follows and r.token_bitmask is None
     )
 
 
@@ -238,6 +247,14 @@ def _check_tokens(
         bad = [t for t in r.input_ids if not 0 <= t < vocab_size]
         if bad:
             raise StepError(f"{where}: input_ids has token {bad[0]} outside [0, {vocab_size})")
+    if r.num_draft:
+        if not 0 < r.num_draft < len(r.input_ids):
+            raise StepError(
+                f"{where}: num_draft={r.num_draft} must be in [0, {len(r.input_ids)}) (one input id "
+                "before the drafts)"
+            )
+        if not r.sample or r.use_last_sample or r.mask_follows or r.token_bitmask is not None:
+            raise StepError(f"{where}: num_draft needs sample and no use_last_sample, mask_follows or token_bitmask")
     n = r.num_new
     if r.start_pos < 0:
         raise StepError(f"{where}: start_pos={r.start_pos} is negative")

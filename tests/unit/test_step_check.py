@@ -26,6 +26,7 @@ def _good_batch(rng: random.Random, hybrid: bool) -> list[ReqInput]:
             "r", row, [] if use_last else [rng.randrange(VOCAB) for _ in range(n)], start,
             [next(slots) for _ in range(n)], mamba_slot=i if hybrid else None, use_last_sample=use_last,
             top_logprobs=rng.choice([0, 20]), history_ids=rng.sample(range(VOCAB), rng.choice([0, 2])),
+            num_draft=rng.randint(0, n - 1) if n > 1 and rng.random() < 0.3 else 0,  # speculative decoding
         ))  # fmt: skip
     return reqs
 
@@ -49,6 +50,8 @@ def _corruptions(rng: random.Random) -> list[Callable[[ReqInput], None]]:
         setter("use_last_sample", lambda: rng.random() < 0.5),
         setter("top_logprobs", lambda: rng.choice([-1, 0, 21])),
         setter("history_ids", lambda: [rng.randint(-1, VOCAB)]),
+        setter("num_draft", lambda: rng.randint(-1, 3)),
+        setter("sample", lambda: rng.random() < 0.5),
     ]
 
 

@@ -18,6 +18,7 @@ The life of a request's memory, one verb per point (the batcher calls them in th
     chunk_limit  cut a prefill chunk at the next state checkpoint (state track)
     start        slots for the first chunk, and the working state
     extend       slots for the next tokens (whole pages; evicts unlocked cache when short)
+    truncate     give back the slots of a step's rejected draft tokens (speculative decoding)
     planned      the step being planned computes up to here: fork the state if a checkpoint
     take_ops     the step's cache ops, in the order ``ops.step_ops`` gives and explains
     on_results   the worker acknowledged the step's host / L3 jobs
@@ -174,6 +175,18 @@ class Memory:
             got += new[:rest]
         req.slots.extend(got)
         return True
+
+    def truncate(self, req: Req, n: int) -> None:
+        """``req`` keeps the slots of its first ``n`` tokens (speculative decoding: the KV of the
+        drafts a step rejected is void). Pages wholly past ``n`` are freed; the rest of the page
+        holding token ``n - 1`` stays the request's, as after ``extend``."""
+        if not req.cache_len <= n <= req.computed:
+            raise ValueError(f"truncate {req.rid} to {n} tokens: outside [{req.cache_len}, {req.computed}]")
+        ps = self.page_size
+        keep = -(-n // ps) * ps  # to the end of the last page in use
+        self.free_pages(req.slots[keep:])
+        del req.slots[n:]
+        req.planned_len = min(req.planned_len, n)
 
     def alloc(self, n: int) -> list[int] | None:
         """``n`` slots (rounded to whole pages by the allocator), evicting unlocked cache if needed."""

@@ -1,0 +1,137 @@
+"""Speculative decoding, the scheduler's half: which decodes carry draft tokens, and how many.
+
+The scheduler drafts (it knows every request's tokens); the worker verifies: one forward over
+the last token and the drafts, one sample after each (``ReqInput.num_draft``), kept up to the
+first sample that differs from the next draft. Because each of those samples is the token an
+ordinary decode would draw at that output index (draws depend on seed and output index only),
+output with speculation equals output without it, greedy or sampled.
+
+``ngram`` (prompt lookup): the drafts are the tokens that followed the latest earlier occurrence
+of the sequence's longest recurring suffix. No model, no memory: it pays where the output
+repeats its context (edits, code, quoting, and the loops small models fall into).
+
+When drafting does not pay it is skipped: above ``max_batch`` decoding requests (the verify pass
+then costs more than the tokens it saves), and for a request whose recent drafts were mostly
+rejected (its score drops below ``min_acceptance``; it recovers slowly, so the request tries again
+later).
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from services.scheduler.request import Req
+
+ALGORITHMS = ("ngram",)
+Drafter = Callable[[Req, int], list[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class SpecConfig:
+    algorithm: Literal["", "ngram"] = ""  # "" = off
+    num_draft_tokens: int = 4  # K: drafts per verify step at most
+    ngram_min: int = 1  # shortest suffix looked up
+    ngram_max: int = 4  # longest suffix looked up (the longest that recurs wins)
+    max_batch: int = 32  # draft only while at most this many requests decode
+    min_acceptance: float = 0.2  # a request's acceptance score below which it stops drafting
+
+    def validate(self) -> None:
+        if self.algorithm and self.algorithm not in ALGORITHMS:
+            raise ValueError(f"speculative_algorithm: {self.algorithm!r} is not one of {ALGORITHMS}")
+        if self.num_draft_tokens < 1:
+            raise ValueError(f"speculative_num_draft_tokens: must be >= 1, got {self.num_draft_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"ngram sizes: need 1 <= min <= max, got {self.ngram_min}, {self.ngram_max}")
+        if self.max_batch < 1:
+            raise ValueError(f"speculative_max_batch: must be >= 1, got {self.max_batch}")
+
+
+def ngram_draft(tokens: list[int], k: int, n_min: int = 1, n_max: int = 4) -> list[int]:
+    """Up to ``k`` tokens predicted to follow ``tokens``: find the latest earlier occurrence of the
+    longest suffix of ``n_max`` down to ``n_min`` tokens and continue from there. The continuation
+    reads on into the draft itself, so a loop shorter than ``k`` is drafted whole cycles ahead."""
+    total = len(tokens)
+    if k < 1 or total < 2:
+        return []
+    buf = array("i", tokens).tobytes()  # rfind in C over 4-byte cells instead of a Python scan
+    for n in range(min(n_max, total - 1), n_min - 1, -1):
+        pattern = buf[(total - n) * 4 :]
+        end = (total - 1) * 4  # an occurrence must leave a token after it (so it is not the suffix)
+        while (at := buf.rfind(pattern, 0, end)) >= 0 and at % 4:
+            end = at + len(pattern) - 1  # a match across cells: look further left
+        if at < 0:
+            continue
+        follow = at // 4 + n  # the token after the occurrence
+        draft: list[int] = []
+        for i in range(k):
+            j = follow + i
+            draft.append(tokens[j] if j < total else draft[j - total])
+        return draft
+    return []
+
+
+@dataclass(slots=True)
+class SpecCounters:
+    verify_steps: int = 0  # request-steps that carried drafts
+    draft_tokens: int = 0  # drafts sent
+    accepted_tokens: int = 0  # drafts the worker kept
+    draft_s: float = 0.0  # time spent drafting
+
+
+class Speculator:
+    """Drafts for one scheduler's decodes (``draft``) and learns from what was kept (``record``)."""
+
+    def __init__(self, cfg: SpecConfig, context_length: int, drafter: Drafter | None = None) -> None:
+        """``drafter(req, k)``: up to ``k`` drafts for ``req`` (default: ``cfg.algorithm``'s)."""
+        cfg.validate()
+        self.cfg = cfg
+        self.context_length = context_length
+        self.counters = SpecCounters()
+        self.drafter: Drafter = drafter or (lambda req, k: ngram_draft(req.seq, k, cfg.ngram_min, cfg.ngram_max))
+
+    def drafting(self, req: Req, decoding: int) -> bool:
+        """Whether ``req`` drafts while ``decoding`` requests decode: then it is planned only once
+        its last token is known (with overlap scheduling, every other step)."""
+        cfg = self.cfg
+        return decoding <= cfg.max_batch and req.grammar is None and req.spec_score >= cfg.min_acceptance
+
+    def draft(self, req: Req, decoding: int) -> list[int]:
+        """Drafts for ``req``'s next decode (empty: an ordinary decode) while ``decoding`` requests
+        decode this step. Only a request whose last token is known (nothing in flight) and that is
+        not constrained by a grammar drafts; the drafts never take it past ``max_new_tokens`` or
+        the context. A request whose drafts were mostly rejected, or that found none, pauses."""
+        cfg = self.cfg
+        if req.inflight or not self.drafting(req, decoding):
+            if req.spec_score < cfg.min_acceptance:
+                req.spec_score += 0.05  # try again after a while: the text may have turned repetitive
+            return []
+        room = min(
+            cfg.num_draft_tokens,
+            req.gen.max_new_tokens - len(req.output) - 1,
+            self.context_length - req.seq_len - 1,
+        )
+        if room < 1:
+            return []
+        t0 = time.perf_counter()
+        draft = self.drafter(req, room)[:room]
+        self.counters.draft_s += time.perf_counter() - t0
+        if not draft:
+            req.spec_score *= 0.5  # no match: a few in a row and the request stops waiting for one
+        return draft
+
+    def record(self, req: Req, drafted: int, accepted: int) -> None:
+        """A verify step of ``req`` kept ``accepted`` of its ``drafted`` drafts."""
+        c = self.counters
+        c.verify_steps += 1
+        c.draft_tokens += drafted
+        c.accepted_tokens += accepted
+        req.spec_score = 0.5 * req.spec_score + 0.5 * accepted / drafted
+
+    @property
+    def acceptance(self) -> float:
+        c = self.counters
+        return c.accepted_tokens / c.draft_tokens if c.draft_tokens else 0.0

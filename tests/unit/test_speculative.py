@@ -1,0 +1,173 @@
+"""Speculative decoding's pieces on their own: the n-gram drafter against a brute-force search,
+the acceptance rule, what the speculator drafts and withholds, giving back the slots of rejected
+drafts, and the step's ``num_draft`` column on the wire and in ``check_step``."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from services.common import step_codec
+from services.common.config import ConfigError
+from services.common.step import ReqInput, StepError, StepRequest, WorkerInfo
+from services.common.validation import Limits, generation
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.memory import MemoryConfig, build_memory
+from services.scheduler.request import Req
+from services.scheduler.speculative import SpecConfig, Speculator, ngram_draft
+from services.worker.engine import accepted_len
+from services.worker.step_check import _check_each, _Limits
+from strata.v1 import strata_pb2 as pb
+from strata.worker.v1 import worker_pb2 as wpb
+
+
+def _brute_force(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    total = len(tokens)
+    for n in range(min(n_max, total - 1), n_min - 1, -1):
+        suffix = tokens[total - n :]
+        for at in range(total - n - 1, -1, -1):  # latest occurrence that leaves a token after it
+            if tokens[at : at + n] == suffix:
+                seq = list(tokens)
+                for i in range(k):
+                    seq.append(seq[at + n + i])
+                return seq[total:]
+    return []
+
+
+def test_ngram_draft_matches_a_brute_force_search() -> None:
+    rng = random.Random(0)
+    for _ in range(3000):
+        # Small alphabets recur; huge ids make byte patterns that match across 4-byte cells.
+        alphabet = rng.choice([[1, 2, 3], list(range(10)), [0x01000000, 0x00000001, 0x00010000, 256]])
+        tokens = [rng.choice(alphabet) for _ in range(rng.randint(0, 30))]
+        k, n_min = rng.randint(1, 6), rng.randint(1, 3)
+        n_max = rng.randint(n_min, 5)
+        assert ngram_draft(tokens, k, n_min, n_max) == _brute_force(tokens, k, n_min, n_max), (tokens, k, n_min, n_max)
+
+
+def test_ngram_draft_examples() -> None:
+    assert ngram_draft([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]  # the suffix [1, 2] recurred
+    assert ngram_draft([5, 6, 5, 6], 5) == [5, 6, 5, 6, 5]  # a loop drafted whole cycles ahead
+    assert ngram_draft([1, 2, 3], 2) == []  # nothing recurs
+    assert ngram_draft([9, 1, 2, 8, 3, 1, 2, 7, 1, 2], 1) == [7]  # the latest occurrence wins
+    assert ngram_draft([1, 2, 3, 5, 2, 3, 9, 2, 3], 2, n_max=1) == [9, 2]  # only the last token matched
+    assert ngram_draft([4, 1, 2, 3, 6, 2, 3, 1, 2, 3], 1) == [6]  # the longest suffix [1, 2, 3] wins over [2, 3]
+
+
+def test_accepted_len() -> None:
+    assert accepted_len([7], []) == 1
+    assert accepted_len([1, 2, 3], [5, 2]) == 1  # the first draft rejected: the plain decode's token
+    assert accepted_len([1, 2, 3], [1, 5]) == 2
+    assert accepted_len([1, 2, 3], [1, 2]) == 3  # every draft right: the bonus token too
+
+
+def _limits() -> Limits:
+    return Limits(vocab_size=100, context_length=64)
+
+
+def _req(prompt: list[int], max_new: int = 16, output: list[int] | None = None) -> Req:
+    gen = generation(pb.SamplingParams(max_new_tokens=max_new, temperature=0), len(prompt), _limits(), False, 0)
+    req = Req("r", list(prompt), gen, seed=0)
+    req.output = list(output or [])
+    return req
+
+
+def test_speculator_limits_and_pauses() -> None:
+    spec = Speculator(SpecConfig("ngram", num_draft_tokens=4, max_batch=8), context_length=64)
+    loop = [3, 4] * 5
+    assert spec.draft(_req(loop), decoding=1) == [3, 4, 3, 4]
+    assert spec.draft(_req(loop, max_new=3, output=[3]), decoding=1) == [4]  # room for 2 more tokens: 1 draft
+    assert spec.draft(_req(loop), decoding=9) == []  # over max_batch
+    busy = _req(loop)
+    busy.inflight = 1
+    assert spec.draft(busy, decoding=1) == []  # its last token is not known yet
+    constrained = _req(loop)
+    constrained.grammar = object()
+    assert spec.draft(constrained, 1) == [] and not spec.drafting(constrained, 1)
+    tight = Speculator(SpecConfig("ngram"), context_length=len(loop) + 1)
+    assert tight.draft(_req(loop), 1) == []  # the context leaves room for the next token only
+
+    unlucky = _req(loop)
+    for _ in range(3):
+        spec.record(unlucky, drafted=4, accepted=0)
+    assert not spec.drafting(unlucky, 1) and spec.draft(unlucky, 1) == []  # paused ...
+    for _ in range(20):
+        spec.draft(unlucky, 1)
+    assert spec.drafting(unlucky, 1)  # ... and back after a while
+    assert spec.counters.verify_steps == 3 and spec.counters.accepted_tokens == 0
+
+
+def _info(page: int) -> WorkerInfo:
+    return WorkerInfo(
+        model="m", architecture="a", fingerprint="f", vocab_size=100, context_length=64, eos_token_ids=(0,),
+        num_slots=64, bytes_per_slot=1, page_size=page, num_rows=4, num_mamba_slots=0, bytes_per_mamba_slot=1,
+        dtype="float32", hybrid=False, device="cpu", max_slots=64, max_mamba_slots=0, slot_granularity=page,
+        mamba_slot_granularity=1, pool_page_bytes=1, elastic=False, host_pages=0, host_page_tokens=0,
+        kv_layout="", l3=False, host_states=0, state_layout="",
+    )
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_truncate_gives_back_the_rejected_drafts_slots(page: int) -> None:
+    mem = build_memory(_info(page), MemoryConfig())
+    req = _req(list(range(1, 11)))
+    assert mem.admit(req) == 0 and mem.start(req, 10, reserve=0)
+    req.planned_len = 10
+    free0 = mem.slots.available
+    assert mem.extend(req, 1 + 6)  # a decode with 6 drafts: positions 10..16
+    req.planned_len = 17
+    mem.truncate(req, 12)  # two kept
+    assert req.computed == 12 and req.planned_len == 12
+    # Page 4: positions 10-11 sit in the prompt's last page; the two new pages go back whole.
+    assert mem.slots.available == free0 - (0 if page == 4 else 2)
+    before = list(req.slots)
+    assert mem.extend(req, 3)  # the next decode continues in the same pages
+    assert req.slots[:12] == before and len(set(req.slots)) == 15
+    with pytest.raises(ValueError, match="truncate r to 16 tokens"):
+        mem.truncate(req, 16)
+    req.output = [5] * 5
+    mem.release(req)
+    mem.check_idle()
+
+
+def _lim() -> _Limits:
+    return _Limits(4, 32, 0, False, 16, 10, max_top_logprobs=20)
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        ({"num_draft": 3}, "num_draft=3 must be in [0, 3)"),
+        ({"num_draft": 1, "sample": False}, "num_draft needs sample"),
+        ({"num_draft": 1, "token_bitmask": b"\xff" * 4}, "num_draft needs sample"),
+    ],
+)
+def test_check_step_refuses_bad_drafts(change: dict, fragment: str) -> None:
+    r = ReqInput("r", 0, [1, 2, 3], 0, [5, 6, 7])
+    _check_each([r], _lim(), set(), {})
+    for k, v in change.items():
+        setattr(r, k, v)
+    with pytest.raises(StepError, match=re.escape(fragment)):
+        _check_each([r], _lim(), set(), {})
+
+
+def test_num_draft_travels_only_when_used() -> None:
+    plain = [ReqInput("a", 0, [1], 4, [9]), ReqInput("b", 1, [2], 4, [10])]
+    assert not step_codec.step_to_pb(StepRequest(1, reqs=plain)).batch.num_draft
+    drafting = [ReqInput("a", 0, [1, 5, 6], 4, [9, 11, 12], num_draft=2), ReqInput("b", 1, [2], 4, [10])]
+    msg = step_codec.step_to_pb(StepRequest(2, reqs=drafting))
+    assert list(msg.batch.num_draft) == [2, 0]
+    assert step_codec.step_from_pb(wpb.StepRequest.FromString(msg.SerializeToString())).reqs == drafting
+    msg.batch.num_draft.pop()
+    with pytest.raises(ValueError, match=r"batch\.num_draft has 1 entries for 2 requests"):
+        step_codec.step_from_pb(msg)
+
+
+def test_config_refuses_bad_settings() -> None:
+    with pytest.raises(ConfigError, match="speculative_num_draft_tokens"):
+        SchedulerConfig(worker="x:1", speculative_algorithm="ngram", speculative_num_draft_tokens=0).validate()
+    with pytest.raises(ConfigError, match="ngram sizes"):
+        SchedulerConfig(worker="x:1", speculative_ngram_min=3, speculative_ngram_max=2).validate()
+    assert SchedulerConfig(worker="x:1", speculative_algorithm="ngram").loop().spec.algorithm == "ngram"
