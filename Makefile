@@ -14,7 +14,7 @@ PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := strata/.generated
 PORT ?= 50051
 
-.PHONY: fuzz native bench-attention run test test-unit test-engine test-services test-all soak bench bench-servers bench-vllm bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas bench-tp bench-overhead soak-hicache soak-text compose-certs lint protos install system-deps models clean
+.PHONY: fuzz native bench-attention run test test-unit test-engine test-services test-all soak bench bench-servers bench-vllm bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas bench-tp bench-overhead bench-spec soak-hicache soak-text compose-certs lint protos install system-deps models clean
 
 run: install models
 	$(BIN)/strata up --model $(TINY) --port $(PORT)
@@ -130,6 +130,12 @@ bench-tp: install $(BENCH_MODEL)/config.json
 # The control plane's CPU per output token (issue #26): 256 greedy streams x 256 tokens on a one-layer
 # near-null model through the gRPC and HTTP fronts, alternated, 3 repeats, plus one py-spy profile
 # per front (~3 min); writes docs/bench/overhead.json and prints the table of docs/benchmarks.md.
+# Speculative decoding (issue #27): off / on / forced stacks of the bench model, alternated, at batch
+# 1, 8 and 64 on a repetitive (edit-style) and a random workload, 3 repeats (~10 min); TPOT, tok/s,
+# acceptance and CPU per token; writes docs/bench/spec.json and prints the table of docs/benchmarks.md.
+bench-spec: install $(BENCH_MODEL)/config.json
+	$(BIN)/python -m benchmarks.spec --model $(BENCH_MODEL) --repeats 3 --out docs/bench/spec.json
+
 bench-overhead: install $(NULL_MODEL)/config.json
 	@test -x $(BIN)/py-spy || $(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[bench]' --config-settings editable_mode=compat
 	$(BIN)/python benchmarks/overhead.py --model $(NULL_MODEL) --repeats 3 --out docs/bench/overhead.json --profile .runs/overhead-profile

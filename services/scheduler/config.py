@@ -84,8 +84,11 @@ class SchedulerConfig:
     speculative_ngram_min: int = field(default=1, metadata=_h("ngram drafts: shortest suffix looked up"))
     speculative_ngram_max: int = field(default=4, metadata=_h("ngram drafts: longest suffix looked up"))
     speculative_max_batch: int = field(
-        default=32, metadata=_h("speculative decoding: draft only while at most this many requests decode")
+        default=8, metadata=_h("speculative decoding: draft only while at most this many requests decode")
     )
+    speculative_min_accepted: float = field(default=1.0, metadata=_h(
+        "speculative decoding: a request whose drafts keep fewer tokens per step than this (running mean) "
+        "backs off (8, 16, ... 64 decodes)"))
     check_invariants: bool = field(default=True, metadata=_h("check KV accounting whenever idle"))
     metrics_port: int = field(default=-1, metadata=_h("Prometheus port; -1 = off, 0 = pick"))
     trace_exporter: Literal["none", "console", "file", "otlp"] = field(default="none", metadata=_h("spans"))
@@ -128,6 +131,7 @@ class SchedulerConfig:
             ngram_min=self.speculative_ngram_min,
             ngram_max=self.speculative_ngram_max,
             max_batch=self.speculative_max_batch,
+            min_accepted=self.speculative_min_accepted,
         )
 
     def loop(self) -> LoopConfig:

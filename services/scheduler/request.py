@@ -103,8 +103,11 @@ class Req:
     # Samples planned in steps whose results have not come back (overlap scheduling): the next
     # decode input is then the worker's last sample for this row, not a known id.
     inflight: int = 0
-    # Speculative decoding: how well this request's recent drafts were accepted (1 = all kept).
-    spec_score: float = 1.0
+    # Speculative decoding: drafts kept per verify step (running mean), and the back-off after
+    # failed tries (decodes to wait before the next, and the current back-off length).
+    spec_score: float = 4.0
+    spec_wait: int = 0
+    spec_backoff: int = 0
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     # Where events go instead of ``events``: a session's collector (``services.scheduler.session``),
     # which sends a whole step's events for all its requests as one message.

@@ -30,6 +30,7 @@ from services.scheduler.loop import LoopConfig, SchedulerLoop
 from services.scheduler.memory import HiConfig, Memory
 from services.scheduler.memory.host_policy import StopPolicy, WritePolicy
 from services.scheduler.memory.host_tier import HostTier
+from services.scheduler.speculative import SpecConfig, Speculator
 from services.worker.engine import Engine, EngineConfig
 from services.worker.l3_port import KVStorePort
 from tests import sched_harness as h
@@ -254,6 +255,29 @@ def test_prefix_from_l3_equals_transformers(model: Path, overlap: bool) -> None:
     assert c.load_tokens == sum(o.cached_tokens for _, o in res)
     if _hybrid(model):
         assert c.state_puts > 0 and c.states_prefetched == c.state_loads == len(res) - 1
+
+
+@pytest.mark.parametrize("tier", ["host", "l3"])
+def test_speculation_with_every_tier(model: Path, tier: str) -> None:
+    """Speculative decoding on, a draft at every decode (the last token again, so some are kept
+    where the model repeats and the rest rejected): prefixes still come back exactly from the host
+    and from L3, which only ever received accepted tokens' KV (and states)."""
+    shards = _Shards()
+    port = KVStorePort(shards) if tier == "l3" else None
+    eng = _engine(model, port)
+    conv = _conversation(eng, flush_device if tier == "host" else flush_host, (port, shards) if port else None)
+    spec = Speculator(SpecConfig("ngram", num_draft_tokens=3, max_batch=64, min_accepted=0),
+                      eng.info.context_length, drafter=lambda req, k: [req.seq[-1]] * k)  # fmt: skip
+
+    async def body(loop: SchedulerLoop) -> Turns:
+        assert loop.batcher is not None
+        loop.batcher.spec = spec
+        return await conv(loop)
+
+    res, loop = h.serve(eng, LoopConfig(), body)
+    _check(model, res)
+    assert spec.counters.verify_steps > 0 and spec.counters.draft_tokens > spec.counters.accepted_tokens
+    assert _tier(loop).counters.load_tokens == sum(o.cached_tokens for _, o in res) > 0
 
 
 @pytest.mark.parametrize("tier", ["device", "host", "l3"])

@@ -2,7 +2,10 @@
 
 Greedy output through ``strata.v1.Strata/Generate`` must equal transformers' ``generate`` on the
 same tiny checkpoint, token for token; bad input gets INVALID_ARGUMENT naming the field, and the
-server keeps serving; one request leaves spans from every service under one trace id.
+server keeps serving; one request leaves spans from every service under one trace id. The stack
+runs with everything on at once: the hierarchical cache (host pool + L3), overlap scheduling and
+speculative decoding (``--speculative-algorithm ngram``), so every test here also checks that
+speculation changes nothing a client sees.
 """
 
 from __future__ import annotations
@@ -11,14 +14,17 @@ import asyncio
 import json
 import math
 import os
+import random
 import re
 import signal
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.discovery import Discovery
 from services.common.etcd_proc import free_port
@@ -36,9 +42,13 @@ PROMPTS = ["The cache keeps", "Once upon a time the server", "tokens and pages"]
 def stack(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     run_dir = tmp_path_factory.mktemp("stack")
     common = ("--trace-exporter", "file", "--trace-target", str(run_dir / "spans-{service}.jsonl"))
-    # As `make run` starts it: the hierarchical cache on (host pool + kvstore L3).
+    # As `make run` starts it: the hierarchical cache on (host pool + kvstore L3); and speculation.
     worker = ("--host-cache-bytes", str(64 << 20), "--l3", "true")
-    s = start_stack(tiny_qwen3, free_port(), run_dir, common_args=common, worker_args=worker, say=lambda _: None)
+    scheduler = ("--speculative-algorithm", "ngram", "--metrics-port", "0")
+    s = start_stack(
+        tiny_qwen3, free_port(), run_dir, common_args=common, worker_args=worker, scheduler_args=scheduler,
+        say=lambda _: None,
+    )  # fmt: skip
     yield s
     s.stop()
 
@@ -295,3 +305,32 @@ def test_constrained_generation_through_the_api(api: pgrpc.StrataStub) -> None:
         list(api.Generate(pb.GenerateRequest(text="x", sampling=sp, json_schema="{not json")))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "constraint.json_schema" in err.value.details()
+
+
+def _spec_events(stack: Stack) -> dict[str, float]:
+    url = f"http://{stack.child('scheduler').extra['metrics']}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {
+        s.labels["event"]: s.value
+        for fam in text_string_to_metric_families(text)
+        if fam.name == "strata_scheduler_spec_events"
+        for s in fam.samples
+        if s.name.endswith("_total")
+    }
+
+
+def test_looping_answers_are_drafted_and_still_equal_transformers(
+    api: pgrpc.StrataStub, stack: Stack, tiny_qwen3: Path
+) -> None:
+    """Prompts that repeat a short phrase: the answers loop, prompt lookup drafts them, the worker
+    keeps part of the drafts (the scheduler's metrics say so), and every answer equals transformers."""
+    rng = random.Random(2)
+    before = _spec_events(stack)
+    for period in (1, 2, 4, 8):
+        phrase = [rng.randrange(3, 700) for _ in range(period)]
+        prompt = (phrase * 64)[:64]
+        req = pb.GenerateRequest(input_ids=pb.TokenIds(ids=prompt), sampling=_greedy(32, ignore_eos=True))
+        assert _collect(api.Generate(req))[0] == hf_greedy(tiny_qwen3, prompt, 32, stop_at_eos=False), period
+    after = _spec_events(stack)
+    grew = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("verify_steps", "draft_tokens", "accepted_tokens")}
+    assert grew["verify_steps"] > 0 and 0 < grew["accepted_tokens"] < grew["draft_tokens"], grew

@@ -76,6 +76,7 @@ def _req(prompt: list[int], max_new: int = 16, output: list[int] | None = None) 
 
 def test_speculator_limits_and_pauses() -> None:
     spec = Speculator(SpecConfig("ngram", num_draft_tokens=4, max_batch=8), context_length=64)
+    assert SpecConfig().max_batch == 8 and SpecConfig().min_accepted == 1.0
     loop = [3, 4] * 5
     assert spec.draft(_req(loop), decoding=1) == [3, 4, 3, 4]
     assert spec.draft(_req(loop, max_new=3, output=[3]), decoding=1) == [4]  # room for 2 more tokens: 1 draft
@@ -90,13 +91,24 @@ def test_speculator_limits_and_pauses() -> None:
     assert tight.draft(_req(loop), 1) == []  # the context leaves room for the next token only
 
     unlucky = _req(loop)
-    for _ in range(3):
+    for _ in range(3):  # kept nothing: the running mean of kept drafts falls 4 -> 2 -> 1 -> 0.5
         spec.record(unlucky, drafted=4, accepted=0)
-    assert not spec.drafting(unlucky, 1) and spec.draft(unlucky, 1) == []  # paused ...
-    for _ in range(20):
+    assert not spec.drafting(unlucky, 1) and spec.draft(unlucky, 1) == []  # backs off ...
+    for _ in range(7):
         spec.draft(unlucky, 1)
-    assert spec.drafting(unlucky, 1)  # ... and back after a while
-    assert spec.counters.verify_steps == 3 and spec.counters.accepted_tokens == 0
+    assert spec.drafting(unlucky, 1)  # ... for 8 decodes
+    spec.record(unlucky, drafted=4, accepted=0)
+    waits = 0
+    while not spec.drafting(unlucky, 1):
+        spec.draft(unlucky, 1)
+        waits += 1
+    assert waits == 16  # then twice as long
+    spec.record(unlucky, drafted=4, accepted=4)  # mean (0.25 + 4) / 2 >= 1: no back-off
+    assert spec.drafting(unlucky, 1) and unlucky.spec_backoff == 0
+    assert spec.counters.verify_steps == 5 and spec.counters.accepted_tokens == 4
+
+    lonely = _req(list(range(3, 20)))  # nothing recurs: no draft, and a back-off
+    assert spec.draft(lonely, 1) == [] and not spec.drafting(lonely, 1)
 
 
 def _info(page: int) -> WorkerInfo:
@@ -168,6 +180,8 @@ def test_num_draft_travels_only_when_used() -> None:
 def test_config_refuses_bad_settings() -> None:
     with pytest.raises(ConfigError, match="speculative_num_draft_tokens"):
         SchedulerConfig(worker="x:1", speculative_algorithm="ngram", speculative_num_draft_tokens=0).validate()
+    with pytest.raises(ConfigError, match="speculative_min_accepted"):
+        SchedulerConfig(worker="x:1", speculative_min_accepted=-1).validate()
     with pytest.raises(ConfigError, match="ngram sizes"):
         SchedulerConfig(worker="x:1", speculative_ngram_min=3, speculative_ngram_max=2).validate()
     assert SchedulerConfig(worker="x:1", speculative_algorithm="ngram").loop().spec.algorithm == "ngram"
