@@ -22,9 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import native
-from kernels.attention import decode_attention_torch, extend_attention_torch
-from kernels.attention_cpu import plan_attention, run_attention
-from kernels.prefix_groups import find_prefix_groups
+from kernels.attention.cpu import plan_attention, run_attention
+from kernels.attention.prefix_groups import find_prefix_groups
+from kernels.attention.reference import decode_attention_torch, extend_attention_torch
 from services.bench.speed import machine_rates, median_time
 from services.worker.host_malloc import keep_large_blocks_on_heap
 

@@ -1,9 +1,10 @@
 """What a model forward sees: the flattened batch (``ForwardBatch``) and the pools (``ForwardContext``).
 
 The engine builds one ``ForwardBatch`` per step from the step's ``ReqInput``s (gathered into a
-``BatchInput``) after validating them, and hands it with a ``ForwardContext`` to
-``model.forward(batch, ctx)``. Every model (Qwen3, Qwen3-Next, ...) reads only these two objects,
-so they are the stable interface between the engine and the model code.
+``BatchInput``) after validating them, with its attention backend's plan for the batch, and hands
+it with a ``ForwardContext`` to ``model.forward(batch, ctx)``. Every model (Qwen3, Qwen3-Next, ...)
+reads only these two objects, so they are the stable interface between the engine and the model
+code; attention goes through ``ctx.attn`` (``services.worker.attention``), never a path of its own.
 
 Layout of one batch of B requests with T new tokens in total (request order = step order)::
 
@@ -26,12 +27,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.attention_cpu import AttentionPlan, plan_attention
-from kernels.prefix_groups import PrefixGroups, find_prefix_groups
-
 if TYPE_CHECKING:
+    from services.worker.attention import AttentionBackend, AttentionMeta
     from services.worker.mamba_pool import MambaPool
-    from services.worker.pools import KVPool
 
 
 def int64_tensor(values: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
@@ -67,6 +65,7 @@ class ForwardBatch:
     extend_lens), ``mamba_slots`` (int64; ``None`` for a model without Mamba state).
     ``cu_seqlens`` ``[B + 1]``: token offsets of each request in the flat token axis.
     ``logit_index`` ``[N]``: flat token indices whose logits the model returns, in order.
+    ``attn``: what the attention backend planned for this batch (``AttentionBackend.prepare``).
 
     Python copies of the per-request lengths (``*_list``) are kept so that host-side loops (the
     torch references, chunk splitting in linear attention) need no device synchronisation.
@@ -84,8 +83,7 @@ class ForwardBatch:
     mamba_slots: torch.Tensor | None
     start_pos_list: list[int]
     extend_lens_list: list[int]
-    prefix_groups: PrefixGroups | None = None
-    attn_plan: AttentionPlan | None = None
+    attn: AttentionMeta
 
     @property
     def num_tokens(self) -> int:
@@ -105,21 +103,14 @@ class ForwardBatch:
         cls,
         inp: BatchInput,
         device: torch.device,
+        attn: AttentionBackend,
         all_logits: bool = False,
-        slot_table: torch.Tensor | None = None,
-        attention: str = "reference",
-        native_decode: bool = False,
     ) -> ForwardBatch:
-        """Flatten ``inp`` (at least one request, each with >= 1 token, validated by the caller).
+        """Flatten ``inp`` (at least one request, each with >= 1 token, validated by the caller) and
+        plan its attention with ``attn`` (``req_to_token`` must already hold this step's slots).
 
         ``all_logits`` asks for the logits of every new token (exactness tests); otherwise the last
         ``want_logits[b]`` tokens of request b get logits.
-
-        ``attention`` (``EngineConfig.attention``) with ``slot_table`` (the CPU copy of
-        ``req_to_token``, already holding this step's slots): ``cascade`` finds the prefix groups;
-        on a CPU device ``cascade`` and ``flat`` also plan the fast attention path once for every
-        layer (``native_decode``: decodes through the native paged kernel). ``reference`` plans
-        nothing (the models fall back to the reference kernels).
         """
         rows, start = inp.rows, inp.start_pos
         if not rows:
@@ -146,13 +137,6 @@ class ForwardBatch:
         def t(values: list[int]) -> torch.Tensor:
             return int64_tensor(values, device)
 
-        groups: PrefixGroups | None = None
-        plan: AttentionPlan | None = None
-        if attention != "reference" and slot_table is not None:
-            if attention == "cascade":
-                groups = find_prefix_groups(slot_table, rows, start, device)
-            if device.type == "cpu":
-                plan = plan_attention(slot_table, rows, start, lens, groups, native_decode)
         return cls(
             input_ids=t(list(chain.from_iterable(inp.input_ids))),
             positions=t(positions),
@@ -166,8 +150,7 @@ class ForwardBatch:
             mamba_slots=None if inp.mamba_slots is None else t(inp.mamba_slots),
             start_pos_list=start,
             extend_lens_list=lens,
-            prefix_groups=groups,
-            attn_plan=plan,
+            attn=attn.prepare(rows, start, lens),
         )
 
 
@@ -175,16 +158,13 @@ class ForwardBatch:
 class ForwardContext:
     """The device state a forward reads and writes.
 
-    ``kv``: per full-attention layer K/V buffers; a model numbers its full-attention layers
-    0, 1, ... in order and uses that number as the pool layer index.
-    ``req_to_token``: ``[num_rows, max_context]`` int64 slot table (already holds this step's
-    prefix and new slots for every row in the batch).
+    ``attn``: the engine's attention backend, which owns the KV pool and the slot table; a model
+    numbers its full-attention layers 0, 1, ... in order and calls
+    ``attn.forward(q, k, v, layer, batch, scale)`` with that number as the pool layer index.
     ``mamba``: the Mamba state pool for hybrid models (``None`` for dense models); linear-
     attention layers read and update ``mamba.conv[i][slot]`` / ``mamba.ssm[i][slot]`` in place
     for ``slot`` in ``batch.mamba_slots``.
     """
 
-    kv: KVPool
-    req_to_token: torch.Tensor
+    attn: AttentionBackend
     mamba: MambaPool | None = None
-    attention: str = "reference"  # EngineConfig.attention

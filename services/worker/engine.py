@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from kernels.native import paged_decode_available
 from services.common.step import (
     MAX_TOP_LOGPROBS,
     HostBackup,
@@ -59,6 +58,7 @@ from services.common.step import (
     TokenLogprob,
     WorkerInfo,
 )
+from services.worker.attention import attention_backend
 from services.worker.batch import BatchInput, ForwardBatch, ForwardContext
 from services.worker.engine_config import DTYPES, EngineConfig
 from services.worker.host_cache import HostPool
@@ -166,9 +166,8 @@ class Engine:
             state_layout=f"{host_states.layout}/tp0of{tp.size}" if host_states else "",
             tp_size=tp.size,
         )
-        # Decodes read the pool in place with the native kernel where it is built (fp32 CPU pools).
-        self._native_decode = device.type == "cpu" and cfg.attention != "reference" and paged_decode_available(dtype)
-        self._ctx = ForwardContext(self.kv, self.req_to_token.table, self.mamba, cfg.attention)
+        self.attn = attention_backend(cfg.attention, self.kv, self.req_to_token)  # chosen once, here
+        self._ctx = ForwardContext(self.attn, self.mamba)
         self._last_sample: dict[int, int] = {}
         self._row_len: dict[int, int] = {}
         self._history: dict[int, list[int]] = {}
@@ -360,10 +359,7 @@ class Engine:
         mamba = [r.mamba_slot for r in reqs if r.mamba_slot is not None]
         want = [r.sample * (1 + r.num_draft) for r in reqs]
         inp = BatchInput(rows, start, ids, new_slots, mamba or None, want)
-        batch = ForwardBatch.build(
-            inp, self.device, all_logits=all_logits, slot_table=self.req_to_token.host,
-            attention=self.cfg.attention, native_decode=self._native_decode,
-        )
+        batch = ForwardBatch.build(inp, self.device, self.attn, all_logits=all_logits)
         return self.model.forward(batch, self._ctx)
 
     def _sample(
@@ -457,10 +453,7 @@ class Engine:
             [r.input_ids[: kept[r.row]] for r in again], [r.new_slots[: kept[r.row]] for r in again],
             [cast(int, r.mamba_slot) for r in again], [0] * len(again),
         )  # fmt: skip
-        batch = ForwardBatch.build(
-            inp, self.device, slot_table=self.req_to_token.host, attention=self.cfg.attention,
-            native_decode=self._native_decode,
-        )
+        batch = ForwardBatch.build(inp, self.device, self.attn)
         self.model.forward(batch, self._ctx)
 
     def _record_samples(self, reqs: list[ReqInput], ids: list[int]) -> None:

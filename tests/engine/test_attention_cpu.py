@@ -1,4 +1,4 @@
-"""The fast CPU attention path (kernels/attention_cpu.py) and the prefix grouping against the torch
+"""The CPU attention path (kernels/attention/cpu.py) and the prefix grouping against the torch
 reference, on batches built to hit every pass: shared runs of several groups, decodes whose own
 range starts with a long contiguous run (read in place) or is scattered (gathered, bucketed by
 length), prefill chunks with and without a cached prefix, a member that leaves its group mid-way."""
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kernels import native
-from kernels.attention import extend_attention_torch
-from kernels.attention_cpu import RUN_MIN_TOKENS, plan_attention, run_attention
-from kernels.prefix_groups import MIN_SHARED_TOKENS, PrefixGroups, find_prefix_groups
+from kernels.attention.cpu import RUN_MIN_TOKENS, plan_attention, run_attention
+from kernels.attention.prefix_groups import MIN_SHARED_TOKENS, PrefixGroups, find_prefix_groups
+from kernels.attention.reference import extend_attention_torch
 
 HQ, HKV, D = 8, 4, 16
 

@@ -1,4 +1,4 @@
-"""The torch path of the cascade decode (``kernels.cascade_triton``) on the CPU, no interpreter.
+"""The torch path of the cascade decode (``kernels.attention.launch``) on the CPU, no interpreter.
 
 The cascade is exact: a decode batch whose rows really share leading slots gives the flat reference
 decode's result, with the groups given by hand (each with a member that leaves the others part-way,
@@ -16,14 +16,10 @@ from typing import Any
 import pytest
 import torch
 
-from kernels.attention import decode_attention_torch
-from kernels.cascade_triton import (
-    cascade_decode_attention,
-    merge_states,
-    shared_prefix_decode_torch,
-    tail_decode_torch,
-)
-from kernels.prefix_groups import find_prefix_groups
+from kernels.attention.launch import cascade_decode_attention
+from kernels.attention.merge import merge_states
+from kernels.attention.prefix_groups import find_prefix_groups
+from kernels.attention.reference import decode_attention_torch, shared_prefix_decode_torch, tail_decode_torch
 from tests.engine.test_kernels_triton import (
     BF16_TOLERANCE,
     CASCADE_CASES,

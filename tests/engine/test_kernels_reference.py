@@ -24,7 +24,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
     torch_recurrent_gated_delta_rule as hf_recurrent_rule,
 )
 
-from kernels.attention import decode_attention, extend_attention
+from kernels.attention.launch import decode_attention, extend_attention
 from kernels.bitmask import apply_token_bitmask, bitmask_from_allowed, unpack_bitmask
 from kernels.conv1d import causal_conv1d_extend, causal_conv1d_update
 from kernels.gated_delta import (

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 if TYPE_CHECKING:
-    from kernels.prefix_groups import PrefixGroups
+    from kernels.attention.prefix_groups import PrefixGroups
 
 ROOT = Path(__file__).resolve().parents[2]
 FP32_TOLERANCE = 1e-5
@@ -69,7 +69,7 @@ def _pool(num_slots: int, kv_heads: int, head_dim: int, rows: int, row_len: int,
 
 
 def cases_attention() -> Results:
-    from kernels.attention import decode_attention, extend_attention
+    from kernels.attention.launch import decode_attention, extend_attention
 
     out: Results = {}
     extend_cases = {
@@ -141,7 +141,7 @@ def cascade_batch(
     entries past ``seq_len`` hold stale but valid slots, and ``q`` is strided over requests like one
     slice of a fused projection.
     """
-    from kernels.prefix_groups import PrefixGroups
+    from kernels.attention.prefix_groups import PrefixGroups
 
     g = torch.Generator().manual_seed(seed)
     layouts: list[list[int]] = []  # each request's slots, filled below
@@ -194,14 +194,9 @@ CASCADE_CASES = {
 def cases_cascade() -> Results:
     """The cascade decode: its two Triton kernels against their torch references, and the whole
     cascade (Triton, then torch; with its groups and without) against the flat reference decode."""
-    from kernels.attention import decode_attention_torch
-    from kernels.cascade_triton import (
-        cascade_decode_attention,
-        shared_prefix_decode_torch,
-        shared_prefix_decode_triton,
-        tail_decode_torch,
-        tail_decode_triton,
-    )
+    from kernels.attention.launch import cascade_decode_attention
+    from kernels.attention.reference import decode_attention_torch, shared_prefix_decode_torch, tail_decode_torch
+    from kernels.attention.triton import shared_prefix_decode_triton, tail_decode_triton
 
     out: Results = {}
     for name, (hq, hkv, d, dtype, spec, alone, tail_step) in CASCADE_CASES.items():
@@ -231,6 +226,45 @@ def cases_cascade() -> Results:
                 got = cascade_decode_attention(*args, c.seq_lens, groups, 0.3, impl=impl)
                 err = rel_err(got, flat) if got.dtype == c.q.dtype else math.inf
                 out[f"cascade/{name}/{impl}_{label}_vs_flat"] = (err, tol)
+    return out
+
+
+def cases_backend() -> Results:
+    """The worker's Triton attention backend (the GPU path, run here on CPU tensors by the
+    interpreter) against the reference backend over the same pool: a pure decode batch in which
+    prefix groups form (the cascade decode), the same batch with groups off (the flat decode), and a
+    mixed batch of prefill chunks and decodes (the flat extend)."""
+    from services.worker.attention import ReferenceAttention, TritonAttention
+    from services.worker.batch import BatchInput, ForwardBatch
+    from services.worker.pools import KVPool, ReqToTokenTable
+
+    hq, hkv, d = 4, 2, 16
+    kv = KVPool(1, 400, hkv, d, torch.float32)
+    table = ReqToTokenTable(8, 128)
+    prefix = list(range(100, 140))  # 40 slots shared by rows 0-2; row 3 alone
+    table.write_runs([(0, 0, prefix), (1, 0, prefix), (2, 0, prefix), (3, 0, list(range(200, 230)))])
+    reference = ReferenceAttention(kv, table)
+    out: Results = {}
+    batches = {
+        # name: (rows, start_pos, new tokens per request)
+        "decode": ([0, 1, 2, 3], [40, 40, 40, 30], [1, 1, 1, 1]),
+        "mixed": ([0, 1, 2, 3], [40, 40, 40, 30], [3, 1, 6, 1]),
+    }
+    next_slot = iter(range(300, 400))
+    for name, (rows, starts, lens) in batches.items():
+        new = [[next(next_slot) for _ in range(n)] for n in lens]
+        table.write_runs(list(zip(rows, starts, new, strict=True)))
+        inp = BatchInput(rows, starts, [[1] * n for n in lens], new, None, [1] * len(rows))
+        t = sum(lens)
+        q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
+        want = reference.forward(q, k, v, 0, ForwardBatch.build(inp, torch.device("cpu"), reference), 0.25)
+        for cascade in (True, False):
+            backend = TritonAttention(kv, table, cascade)
+            batch = ForwardBatch.build(inp, torch.device("cpu"), backend)
+            grouped = batch.attn.groups is not None
+            out[f"backend/{name}/cascade={cascade}/groups_formed"] = (0.0 if grouped == cascade else math.inf, 0.0)
+            got = backend.forward(q, k, v, 0, batch, 0.25)
+            out[f"backend/{name}/cascade={cascade}"] = (rel_err(got, want), FP32_TOLERANCE)
     return out
 
 
@@ -332,7 +366,8 @@ def compile_for_sm90() -> dict[str, str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
 
-    from kernels import attention, bitmask, cascade_triton, conv1d, gated_delta, kv_store
+    from kernels import bitmask, conv1d, gated_delta, kv_store
+    from kernels.attention import triton as attention
 
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
@@ -353,15 +388,16 @@ def compile_for_sm90() -> dict[str, str]:
 
     conv = {"C": 300, "K": 4, "HAS_BIAS": True, "SILU": True, "BLOCK_C": 128}
     delta = {"REP": 2, "DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": 32}
+    decode = {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64}
     kernels = {
         "store_kv": (kv_store._store_kv_kernel, {"ROW": 1024, "BLOCK": 1024}),
         "extend_attention": (attention._extend_kernel,
                              {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 64, "BLOCK_N": 64}),
-        "decode_attention": (attention._decode_kernel,
-                             {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64}),
-        "cascade_shared": (cascade_triton._shared_kernel,
+        # One decode kernel, two variants: the flat decode, and the cascade's tail (start offset, LSE).
+        "decode_attention": (attention._decode_kernel, {**decode, "HAS_START": False, "STORE_LSE": False}),
+        "cascade_shared": (attention._shared_kernel,
                            {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_Q": 32, "BLOCK_N": 32}),
-        "cascade_tail": (cascade_triton._tail_kernel, {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64}),
+        "cascade_tail": (attention._decode_kernel, {**decode, "HAS_START": True, "STORE_LSE": True}),
         "bitmask": (bitmask._apply_bitmask_kernel, {"BLOCK": 1024}),
         "delta_step": (gated_delta._step_kernel, {**delta, "H": 32}),
         # num_tokens == 1 is specialised to a constant on a GPU: compile that variant too.
@@ -387,6 +423,7 @@ FAMILIES: dict[str, Callable[[], Results]] = {
     "kv_store": cases_kv_store,
     "attention": cases_attention,
     "cascade": cases_cascade,
+    "backend": cases_backend,
     "bitmask": cases_bitmask,
     "gated_delta": cases_gated_delta,
     "conv1d": cases_conv1d,

@@ -15,16 +15,20 @@ import itertools
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import torch
 
-import services.worker.batch as batch_mod
-from kernels.prefix_groups import PrefixGroups
+import services.worker.attention as attention_mod
+from kernels import native
+from kernels.attention.prefix_groups import PrefixGroups
 from services.common.step import CacheOp, MambaCopy, MambaReset, ReqInput, StepRequest
 from services.scheduler.loop import LoopConfig
+from services.worker.attention import CpuAttention, ReferenceAttention, TritonAttention, attention_backend
 from services.worker.engine import Engine, EngineConfig
+from services.worker.pools import KVPool, ReqToTokenTable
 from tests import sched_harness as h
 from tests.reference import hf_greedy, hf_model
 
@@ -36,7 +40,7 @@ PATHS = ("cascade", "flat", "reference")
 def group_spy(monkeypatch: pytest.MonkeyPatch) -> list[PrefixGroups]:
     """Every non-empty grouping the worker found while the test ran."""
     found: list[PrefixGroups] = []
-    real = batch_mod.find_prefix_groups
+    real = attention_mod.find_prefix_groups
 
     def spy(*args: Any, **kw: Any) -> PrefixGroups | None:
         g = real(*args, **kw)
@@ -44,7 +48,7 @@ def group_spy(monkeypatch: pytest.MonkeyPatch) -> list[PrefixGroups]:
             found.append(g)
         return g
 
-    monkeypatch.setattr(batch_mod, "find_prefix_groups", spy)
+    monkeypatch.setattr(attention_mod, "find_prefix_groups", spy)
     return found
 
 
@@ -208,3 +212,26 @@ def test_retraction_with_sharing_stays_exact(tiny_qwen3: Path, group_spy: list[P
     assert [o.ids for o in outs] == want
     assert loop.batcher is not None and loop.batcher.retractions > 0
     assert group_spy
+
+
+def test_the_backend_is_chosen_once_from_the_path_and_the_device() -> None:
+    """CPU pools: ``cascade`` and ``flat`` on the CPU backend (groups only with ``cascade``, the
+    native decode for fp32 pools where it is built); CUDA pools: Triton; ``reference``, or a device
+    with neither: the torch references."""
+    table = ReqToTokenTable(1, 1)
+
+    def backend(path: str, device: str, dtype: torch.dtype = torch.float32) -> attention_mod.AttentionBackend:
+        kv = cast(KVPool, SimpleNamespace(device=torch.device(device), dtype=dtype))  # the chooser reads these
+        return attention_backend(path, kv, table)  # type: ignore[arg-type]
+
+    for path, cascade in (("cascade", True), ("flat", False)):
+        cpu = backend(path, "cpu")
+        assert isinstance(cpu, CpuAttention) and cpu.cascade == cascade
+        assert cpu.native_decode == (native.load() is not None)
+        half = backend(path, "cpu", torch.bfloat16)
+        assert isinstance(half, CpuAttention) and not half.native_decode
+        gpu = backend(path, "cuda")
+        assert isinstance(gpu, TritonAttention) and gpu.cascade == cascade
+        assert isinstance(backend(path, "meta"), ReferenceAttention)
+    assert isinstance(backend("reference", "cpu"), ReferenceAttention)
+    assert isinstance(backend("reference", "cuda"), ReferenceAttention)

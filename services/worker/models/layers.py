@@ -1,4 +1,4 @@
-"""Building blocks shared by the models: RMSNorm, rotary embedding, SwiGLU MLP, slot attention.
+"""Building blocks shared by the models: RMSNorm, rotary embedding, SwiGLU MLP.
 
 All blocks work on the flat token axis of a ``ForwardBatch`` (``[T, ...]``, no batch dimension)
 and are written so that a module built on the ``meta`` device holds no derived values: anything
@@ -11,10 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.attention import decode_attention, decode_attention_torch, extend_attention, extend_attention_torch
-from kernels.attention_cpu import run_attention
-from kernels.kv_store import store_kv
-from services.worker.batch import ForwardBatch, ForwardContext
 from services.worker.tp import SINGLE, RowLinear, Tp, column_linear
 
 
@@ -110,46 +106,3 @@ class SwiGLU(nn.Module):
         y = self.down_proj(h)
         return self.tp.all_reduce(y) if reduce else y
 
-
-def slot_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_layer: int,
-    batch: ForwardBatch,
-    ctx: ForwardContext,
-    scale: float,
-) -> torch.Tensor:
-    """Store this batch's ``k, v [T, Hkv, D]`` at ``batch.out_slots`` and attend ``q [T, Hq, D]``.
-
-    Each token attends causally to its request's row of ``ctx.req_to_token`` (cached prefix plus
-    the batch's own new tokens, which are stored first). Returns ``[T, Hq, D]`` in the pool's dtype.
-
-    Paths (``ctx.attention``, see ``EngineConfig.attention``): on the CPU the batch's attention plan
-    (``kernels.attention_cpu``: per-group shared passes, per-request own passes, merged by
-    log-sum-exp); on a GPU the Triton kernels (a pure decode batch with prefix groups takes the
-    cascade decode kernel); ``reference`` (or a batch planned without a path) the torch references.
-    """
-    k_cache, v_cache = ctx.kv.layer(kv_layer)
-    k = k.to(k_cache.dtype).contiguous()
-    v = v.to(v_cache.dtype).contiguous()
-    q = q.to(k_cache.dtype)
-    store_kv(k_cache, v_cache, batch.out_slots, k, v)
-    if batch.attn_plan is not None:
-        return run_attention(batch.attn_plan, q, k, v, k_cache, v_cache, scale)
-    r2t = ctx.req_to_token
-    if ctx.attention == "reference" or not q.is_cuda:
-        if batch.is_decode:
-            return decode_attention_torch(q, k_cache, v_cache, r2t, batch.rows, batch.seq_lens, scale)
-        return extend_attention_torch(
-            q, k_cache, v_cache, r2t, batch.rows, batch.start_pos, batch.extend_lens, scale
-        )
-    if batch.is_decode and batch.prefix_groups is not None:
-        from kernels.cascade_triton import cascade_decode_attention
-
-        return cascade_decode_attention(
-            q, k_cache, v_cache, r2t, batch.rows, batch.seq_lens, batch.prefix_groups, scale
-        )
-    if batch.is_decode:
-        return decode_attention(q, k_cache, v_cache, r2t, batch.rows, batch.seq_lens, scale)
-    return extend_attention(q, k_cache, v_cache, r2t, batch.rows, batch.start_pos, batch.extend_lens, scale)

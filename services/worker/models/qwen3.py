@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from services.worker.batch import ForwardBatch, ForwardContext
-from services.worker.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, slot_attention
+from services.worker.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from services.worker.tp import SINGLE, RowLinear, Tp, column_linear
 
 
@@ -124,7 +124,7 @@ class DenseAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = self.rotary.apply(q, cos, sin)
         k = self.rotary.apply(k, cos, sin)
-        o = slot_attention(q, k, v, self.kv_layer, batch, ctx, self.scale)
+        o = ctx.attn.forward(q, k, v, self.kv_layer, batch, self.scale)
         return self.tp.all_reduce(self.o_proj(o.reshape(t, -1)))
 
 
@@ -182,7 +182,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.head_dim = cfg.head_dim
 
     def forward(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
-        """Logits ``[len(batch.logit_index), vocab_size]``; stores the batch's KV into ``ctx.kv``."""
+        """Logits ``[len(batch.logit_index), vocab_size]``; stores the batch's KV through ``ctx.attn``."""
         return self.lm_head(self.model(batch, ctx))
 
 

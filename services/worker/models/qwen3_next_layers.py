@@ -7,8 +7,8 @@ They differ from Qwen3's on purpose, and each difference changes the logits:
   multiplied by ``sigmoid(gate)`` before ``o_proj``.
 * Rotary covers only the first ``partial_rotary_factor * head_dim`` dims of q and k.
 
-Full-attention K/V live in the slot-indexed pool and go through the shared kernels
-(``kernels.kv_store`` / ``kernels.attention``), exactly like Qwen3's.
+Full-attention K/V live in the slot-indexed pool and go through the engine's attention backend
+(``ctx.attn``, ``services.worker.attention``), exactly like Qwen3's.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from services.worker.batch import ForwardBatch, ForwardContext
-from services.worker.models.layers import slot_attention
 from services.worker.tp import SINGLE, RowLinear, Tp, column_linear
 
 
@@ -121,6 +120,6 @@ class GatedAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(t, self.hkv, self.d))
         v = self.v_proj(x).view(t, self.hkv, self.d)
         q, k = rotary(batch.positions, q, k)
-        o = slot_attention(q, k, v, self.kv_layer, batch, ctx, self.d**-0.5)
+        o = ctx.attn.forward(q, k, v, self.kv_layer, batch, self.d**-0.5)
         o = o.to(x.dtype).reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
         return self.tp.all_reduce(self.o_proj(o))

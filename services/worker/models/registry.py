@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 class CausalLM(Protocol):
     """What the engine needs from a model.
 
-    ``forward(batch, ctx)`` stores this batch's K/V (full-attention layers) into
-    ``ctx.kv`` at ``batch.out_slots``, updates Mamba state in ``ctx.mamba`` (hybrid models), and
+    ``forward(batch, ctx)`` stores this batch's K/V (full-attention layers) at ``batch.out_slots``
+    and attends through ``ctx.attn``, updates Mamba state in ``ctx.mamba`` (hybrid models), and
     returns logits ``[len(batch.logit_index), vocab_size]`` for the tokens ``batch.logit_index``
     names. Hybrid models additionally expose ``mamba_spec`` (a ``MambaSpec``); models may define
     ``convert_checkpoint(tensors: dict[str, Tensor]) -> dict[str, Tensor]`` to rename / fuse

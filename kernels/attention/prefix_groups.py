@@ -5,7 +5,8 @@ groups by comparing the leading entries of the requests' ``req_to_token`` rows: 
 hold the same slot at the same position read the same K/V there (a slot belongs to one cached token,
 locked while any request uses it). Attention over a shared run is then computed once per group —
 one matmul of all the group's queries against the run — and merged with each request's own pass
-over the rest of its row by log-sum-exp (see ``kernels.cascade``).
+over the rest of its row by log-sum-exp (``kernels.attention.merge``): on the CPU by
+``kernels.attention.cpu``, on a GPU by the Triton cascade decode (``kernels.attention.launch``).
 
 Layout of one ``PrefixGroups`` for a batch of B requests::
 
@@ -31,8 +32,8 @@ MIN_SHARED_TOKENS = 16
 
 @dataclass(frozen=True, slots=True)
 class PrefixGroups:
-    """Groups of a batch (see the module docstring). Python lists drive the CPU path without device
-    synchronisation; the tensors (on the batch's device) feed the GPU kernels."""
+    """Groups of a batch (see the module docstring). Python lists drive the CPU planning without
+    device synchronisation; the tensors (on the batch's device) feed the GPU kernels."""
 
     members: list[int]
     group_starts: list[int]

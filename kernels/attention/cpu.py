@@ -1,22 +1,25 @@
-"""The fast CPU attention path over the slot-indexed KV pool, with prefix-shared (cascade) passes.
+"""Attention on the CPU over the slot-indexed KV pool, with prefix-shared (cascade) passes.
 
-The torch references in ``kernels.attention`` gather every request's whole row token by token into
-a tensor padded to the longest request and materialise every score. This path does neither:
+The torch references (``kernels.attention.reference``) gather every request's whole row token by
+token into a tensor padded to the longest request and materialise every score. This path does
+neither:
 
 * every pass runs in the fused flash-attention kernel of torch's CPU backend
   (``aten._scaled_dot_product_flash_attention_for_cpu``: blocked, online softmax, GQA without copies,
-  and it returns the log-sum-exp that lets passes be merged exactly);
+  and it returns the log-sum-exp that lets passes be merged exactly), except decodes with fp32 pools,
+  which read their own range in place with the native paged decode (``kernels.native``);
 * a request's **own** pass reads only what is its own: a decode reads ``[kv_start, seq_len)`` of its
-  row (gathered by ``index_select`` of whole slot rows, requests bucketed by length so padding stays
-  small); a prefill chunk reads its cached prefix ``[kv_start, start_pos)`` (a view when the slots
-  are one contiguous run, one ``index_select`` otherwise) and then its new tokens, causally, straight
-  from this step's K/V (no gather at all);
-* a **shared** pass per prefix group (``kernels.prefix_groups``): all the group's query tokens at
-  once against the run its members share, read once;
-* passes of one token are merged by log-sum-exp (``merge_states``), exact up to rounding.
+  row (natively in place; else gathered by ``index_select`` of whole slot rows, requests bucketed by
+  length so padding stays small, a long leading contiguous run read as a view); a prefill chunk
+  reads its cached prefix ``[kv_start, start_pos)`` (a view when the slots are one contiguous run,
+  one ``index_select`` otherwise) and then its new tokens, causally, straight from this step's K/V
+  (no gather at all);
+* a **shared** pass per prefix group (``kernels.attention.prefix_groups``): all the group's query
+  tokens at once against the run its members share, read once;
+* passes of one token are merged by log-sum-exp (``kernels.attention.merge``), exact up to rounding.
 
 Everything that depends only on the batch (slot index tensors, buckets, masks) is computed once per
-forward by ``plan_attention`` and reused by every layer.
+forward by ``plan_attention`` and reused by every layer by ``run_attention``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels import native
-from kernels.prefix_groups import PrefixGroups
+from kernels.attention.merge import merge_states
+from kernels.attention.prefix_groups import PrefixGroups
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 # A bucket of decodes may pad a row by at most this fraction of the bucket's longest row.
@@ -214,18 +218,6 @@ def _attend(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [B, Hq, n, D]`` over ``k, v [B, Hkv, L, D]`` -> (out ``[B, Hq, n, D]``, lse ``[B, Hq, n]`` fp32)."""
     return _flash(q, k, v, is_causal=causal, attn_mask=mask, scale=scale)
-
-
-def merge_states(
-    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact merge of two attention passes over disjoint keys: ``o [N, H, D]``, ``lse [N, H]`` (natural log)."""
-    m = torch.maximum(lse_a, lse_b)
-    w_a = torch.exp(lse_a - m)
-    w_b = torch.exp(lse_b - m)
-    total = w_a + w_b
-    o = (o_a.float() * (w_a / total)[..., None]) + (o_b.float() * (w_b / total)[..., None])
-    return o, m + torch.log(total)
 
 
 def run_attention(
