@@ -51,7 +51,9 @@ from services.bench.workloads import FIRST_ID, Turn, Workload  # noqa: E402
 SIDES = {
     "off": (),
     "on": ("--speculative-algorithm", "ngram"),
-    "forced": ("--speculative-algorithm", "ngram", "--speculative-max-batch", "100000", "--speculative-min-accepted", "0"),
+    "forced": (
+        "--speculative-algorithm", "ngram", "--speculative-max-batch", "100000", "--speculative-min-accepted", "0",
+    ),
 }
 BATCHES = (1, 8, 64)
 WORKLOADS = ("loop", "edit", "random")
