@@ -52,6 +52,10 @@ def _stack_args(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
         ("--max-waiting", args.max_waiting), ("--speculative-algorithm", args.speculative_algorithm),
         ("--speculative-num-draft-tokens", args.speculative_num_draft_tokens),
     )
+    if args.speculative_draft_model:
+        worker += ("--speculative-draft-model", args.speculative_draft_model)
+        if not args.speculative_algorithm:
+            scheduler += ("--speculative-algorithm", "draft")
     tokenizer = given(("--api-key", args.api_key), ("--api-key-file", args.api_key_file),
                       ("--model-name", args.served_model_name), ("--router-policy", args.router_policy))
     return {"common": common, "worker": worker, "scheduler": scheduler, "tokenizer": tokenizer}
@@ -72,6 +76,12 @@ def _up(args: argparse.Namespace) -> int:
         return 2
     if args.tp is not None and args.tp < 1:
         print(f"strata up: --tp must be at least 1, got {args.tp}", file=sys.stderr)
+        return 2
+    if args.speculative_algorithm == "draft" and not args.speculative_draft_model:
+        print("strata up: --speculative-algorithm draft needs --speculative-draft-model DIR", file=sys.stderr)
+        return 2
+    if args.speculative_draft_model and (problem := model_dir_problem(args.speculative_draft_model)):
+        print(f"strata up: --speculative-draft-model: {problem}", file=sys.stderr)
         return 2
     run_dir = Path(args.run_dir or f".runs/{time.strftime('%Y%m%d-%H%M%S')}")
     args.run_dir_path = str(run_dir)
@@ -212,8 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-prefill-tokens", "--chunked-prefill-size", dest="max_prefill_tokens", type=int,
                     default=None, help="prompt tokens per step: longer prompts are prefilled in chunks")
     up.add_argument("--max-waiting", type=int, default=None, help="queued requests before 429 / RESOURCE_EXHAUSTED")
-    up.add_argument("--speculative-algorithm", default=None, choices=["ngram"],
-                    help="speculative decoding: ngram drafts from each request's own context (default off)")
+    up.add_argument("--speculative-algorithm", default=None, choices=["ngram", "draft"],
+                    help="speculative decoding: ngram drafts from each request's own context, draft from "
+                         "--speculative-draft-model (default off)")
+    up.add_argument("--speculative-draft-model", default="",
+                    help="a smaller checkpoint with the model's tokenizer that drafts tokens (implies draft)")
     up.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                     help="draft tokens verified per step at most (default 4)")
     up.add_argument("--no-metrics", dest="metrics", action="store_false",

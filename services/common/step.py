@@ -197,6 +197,9 @@ class ReqInput:
     # ``output_index + 1``, ...) and keeps the samples up to and including the first that differs
     # from the next draft token: 1 to ``num_draft + 1`` tokens, the KV of the rejected drafts void.
     num_draft: int = 0
+    # With a draft model (``--speculative-algorithm draft``): the worker writes the drafts itself
+    # (the scheduler sends ``num_draft`` placeholder ids).
+    worker_drafts: bool = False
 
     @property
     def num_new(self) -> int:
@@ -304,3 +307,4 @@ class WorkerInfo:
     host_states: int = 0  # host state slots for Mamba states (hybrid models); 0 = none
     state_layout: str = ""  # names a host state's bytes (for L3 keys of states); empty without them
     tp_size: int = 1  # tensor-parallel ranks running the model (services.worker.tp)
+    draft_model: str = ""  # the speculative draft model's name ("" = none)

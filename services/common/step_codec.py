@@ -139,7 +139,8 @@ _SAMPLE = wpb.REQ_FLAG_SAMPLE
 _USE_LAST_SAMPLE = wpb.REQ_FLAG_USE_LAST_SAMPLE
 _RETURN_LOGPROBS = wpb.REQ_FLAG_RETURN_LOGPROBS
 _MASK_FOLLOWS = wpb.REQ_FLAG_MASK_FOLLOWS
-_ALL_FLAGS = _SAMPLE | _USE_LAST_SAMPLE | _RETURN_LOGPROBS | _MASK_FOLLOWS
+_WORKER_DRAFTS = wpb.REQ_FLAG_WORKER_DRAFTS
+_ALL_FLAGS = _SAMPLE | _USE_LAST_SAMPLE | _RETURN_LOGPROBS | _MASK_FOLLOWS | _WORKER_DRAFTS
 
 # The columns of ReqColumns with one entry per request (``rows`` sets the count).
 _PER_REQUEST = (
@@ -180,6 +181,7 @@ def _batch_to_pb(reqs: list[ReqInput]) -> wpb.ReqColumns:
             | _USE_LAST_SAMPLE * r.use_last_sample
             | _RETURN_LOGPROBS * r.return_logprobs
             | _MASK_FOLLOWS * r.mask_follows
+            | _WORKER_DRAFTS * r.worker_drafts
             for r in reqs
         ],
         seeds=[r.seed for r in reqs],
@@ -237,6 +239,7 @@ def _batch_from_pb(m: wpb.ReqColumns) -> list[ReqInput]:
             top_logprobs=top,
             use_last_sample=bool(f & _USE_LAST_SAMPLE),
             mask_follows=bool(f & _MASK_FOLLOWS),
+            worker_drafts=bool(f & _WORKER_DRAFTS),
         )
         for rid, row, start, ids, prefix, new, mamba, f, k, seed, index, top in zip(
             m.request_ids, m.rows, m.start_pos,
@@ -366,6 +369,7 @@ def info_to_pb(i: WorkerInfo) -> wpb.WorkerInfo:
         host_states=i.host_states,
         state_layout=i.state_layout,
         tp_size=i.tp_size,
+        draft_model=i.draft_model,
     )
 
 
@@ -399,4 +403,5 @@ def info_from_pb(m: wpb.WorkerInfo) -> WorkerInfo:
         host_states=m.host_states,
         state_layout=m.state_layout,
         tp_size=m.tp_size or 1,
+        draft_model=m.draft_model,
     )

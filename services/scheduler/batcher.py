@@ -270,6 +270,7 @@ class Batcher:
             top_logprobs=req.gen.top_logprobs,
             trace_context=req.trace_context if not req.sent_history else {},
             num_draft=len(draft),
+            worker_drafts=bool(draft) and self.spec is not None and self.spec.worker_drafts,
         )
         if ri.sample:
             if req.grammar is not None:

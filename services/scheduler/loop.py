@@ -110,6 +110,9 @@ class SchedulerLoop:
         if cfg.spec.algorithm:
             if info.tp_size > 1:
                 log.warning("speculative decoding is off: the worker runs tensor parallel (not supported yet)")
+            elif cfg.spec.algorithm == "draft" and not info.draft_model:
+                log.error("speculative decoding is off: --speculative-algorithm draft but the worker has no "
+                          "--speculative-draft-model")
             else:
                 batcher.spec = Speculator(cfg.spec, info.context_length)
         if cfg.elastic_budget_bytes:

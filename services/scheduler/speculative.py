@@ -28,13 +28,13 @@ from typing import Literal
 
 from services.scheduler.request import Req
 
-ALGORITHMS = ("ngram",)
+ALGORITHMS = ("ngram", "draft")
 Drafter = Callable[[Req, int], list[int]]
 
 
 @dataclass(frozen=True, slots=True)
 class SpecConfig:
-    algorithm: Literal["", "ngram"] = ""  # "" = off
+    algorithm: Literal["", "ngram", "draft"] = ""  # "" = off
     num_draft_tokens: int = 4  # K: drafts per verify step at most
     ngram_min: int = 1  # shortest suffix looked up
     ngram_max: int = 4  # longest suffix looked up (the longest that recurs wins)
@@ -95,7 +95,12 @@ class Speculator:
         self.cfg = cfg
         self.context_length = context_length
         self.counters = SpecCounters()
-        self.drafter: Drafter = drafter or (lambda req, k: ngram_draft(req.seq, k, cfg.ngram_min, cfg.ngram_max))
+        # ``draft``: the worker's draft model writes the drafts; the scheduler sends placeholders.
+        self.worker_drafts = cfg.algorithm == "draft" and drafter is None
+        if drafter is None:
+            drafter = (lambda req, k: [0] * k) if self.worker_drafts else (
+                lambda req, k: ngram_draft(req.seq, k, cfg.ngram_min, cfg.ngram_max))
+        self.drafter: Drafter = drafter
 
     def drafting(self, req: Req, decoding: int) -> bool:
         """Whether ``req`` drafts while ``decoding`` requests decode: then it is planned only once

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from services.common.config import ConfigError
+from services.common.config import ConfigError, model_dir_problem
 from services.common.step import HOST_PAGE_TOKENS
 
 
@@ -50,6 +50,9 @@ class WorkerConfig:
         "attention path: cascade = requests sharing a cached prefix attend to it once per group; flat = "
         "each request on its own; reference = the slow torch reference (for comparison)"))
     threads: int = field(default=0, metadata=_h("torch threads for the forward; 0 = one per core"))
+    speculative_draft_model: str = field(default="", metadata=_h(
+        "speculative decoding: a smaller checkpoint with the same tokenizer that drafts tokens (the "
+        "scheduler's --speculative-algorithm draft); its KV takes a pool of its own with the target's slots"))
     l3: bool = field(default=False, metadata=_h(
         "hierarchical cache: put and get pages on the kvstore shards found through etcd"))
     metrics_port: int = field(default=-1, metadata=_h("Prometheus port; -1 = off, 0 = pick"))
@@ -94,6 +97,12 @@ class WorkerConfig:
             raise ConfigError("threads: must be >= 0 (0 = one per core)")
         if self.tp < 1:
             raise ConfigError(f"tp: must be >= 1, got {self.tp}")
+        if self.speculative_draft_model:
+            problem = model_dir_problem(self.speculative_draft_model)
+            if problem:
+                raise ConfigError(f"speculative_draft_model: {problem}")
+            if self.tp > 1:
+                raise ConfigError("speculative_draft_model: not supported with tensor parallelism (tp > 1)")
         if not 0 <= self.tp_rank < self.tp or (self.tp_rank and not self.tp_init):
             raise ConfigError(f"tp_rank: must be in [0, tp={self.tp}), and a follower needs tp_init")
         if self.tp_timeout_s <= 0:

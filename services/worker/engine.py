@@ -60,6 +60,7 @@ from services.common.step import (
 )
 from services.worker.attention import attention_backend
 from services.worker.batch import BatchInput, ForwardBatch, ForwardContext
+from services.worker.draft import DraftModel
 from services.worker.engine_config import DTYPES, EngineConfig
 from services.worker.host_cache import HostPool
 from services.worker.host_malloc import keep_large_blocks_on_heap
@@ -165,9 +166,16 @@ class Engine:
             host_states=host_states.num_states if host_states else 0,
             state_layout=f"{host_states.layout}/tp0of{tp.size}" if host_states else "",
             tp_size=tp.size,
+            draft_model=Path(cfg.draft_model).resolve().name if cfg.draft_model else "",
         )
         self.attn = attention_backend(cfg.attention, self.kv, self.req_to_token)  # chosen once, here
         self._ctx = ForwardContext(self.attn, self.mamba)
+        self.draft: DraftModel | None = None
+        if cfg.draft_model:
+            if tp.size > 1:
+                raise ValueError("speculative_draft_model: not supported with tensor parallelism")
+            self.draft = DraftModel(Path(cfg.draft_model), dtype, device, model.vocab_size, self.kv,
+                                    self.req_to_token, cfg.attention)  # fmt: skip
         self._last_sample: dict[int, int] = {}
         self._row_len: dict[int, int] = {}
         self._history: dict[int, list[int]] = {}
@@ -203,7 +211,10 @@ class Engine:
             self._run_ops(req)
             if not req.reqs:
                 return torch.empty((0, self.info.vocab_size), dtype=torch.float32, device=self.device)
-            return self._forward(req.reqs, all_logits=True).float()
+            inp = self._batch_input(req.reqs)
+            if self.draft is not None:
+                self.draft.propose(req.reqs, inp)
+            return self._run(inp, all_logits=True).float()
 
     # -- stages ----------------------------------------------------------------------------------
 
@@ -228,10 +239,15 @@ class Engine:
         drafting = [r for r in req.reqs if r.num_draft]
         if drafting and self.tp.size > 1:
             raise StepError(f"step {req.step_id}: draft tokens (num_draft) are not supported with tensor parallelism")
+        if self.draft is None and any(r.worker_drafts for r in drafting):
+            raise StepError(f"step {req.step_id}: worker_drafts is set but this worker has no draft model")
         t0 = time.perf_counter()
         # Hybrid rows verifying drafts: their recurrent states from before the pass, to roll back.
         saved = self.mamba.save([cast(int, r.mamba_slot) for r in drafting]) if drafting and self.mamba else None
-        logits = self._forward(req.reqs, all_logits=False)
+        inp = self._batch_input(req.reqs)
+        if self.draft is not None:  # its KV follows the target's; the drafts it owes are written
+            self.draft.propose(req.reqs, inp)
+        logits = self._run(inp, all_logits=False)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # so forward_s measures the forward, not the launch
         t1 = time.perf_counter()
@@ -258,6 +274,8 @@ class Engine:
         t3 = time.perf_counter()
         if saved is not None:
             self._roll_back_states(drafting, saved, result.outputs)
+        if self.draft is not None and drafting:
+            self.draft.finish(req.reqs, Counter(o.row for o in result.outputs))
         result.forward_s, result.sample_s = t1 - t0 + time.perf_counter() - t3, t3 - t2
         if self.host is not None:  # L3 transfers ran alongside the forward
             result.jobs = self._finish_host()
@@ -335,6 +353,8 @@ class Engine:
 
     def _resize(self, op: PoolResize) -> None:
         """The shrinking pool first, so that memory held never peaks above max(before, after)."""
+        if self.draft is not None:  # the draft pool has the target pool's slots
+            self.draft.resize(op.kv_slots)
         kv, mamba = self.kv, self.mamba
         if mamba is not None and op.kv_slots > kv.num_slots:
             mamba.resize(op.mamba_slots)
@@ -344,9 +364,9 @@ class Engine:
         if mamba is not None:
             mamba.resize(op.mamba_slots)
 
-    def _forward(self, reqs: list[ReqInput], all_logits: bool) -> torch.Tensor:
-        """Write the step's slots into req_to_token and run the model; list operations over the
-        batch rather than a loop per request (a decode step holds hundreds)."""
+    def _batch_input(self, reqs: list[ReqInput]) -> BatchInput:
+        """Write the step's slots into req_to_token and gather its inputs; list operations over
+        the batch rather than a loop per request (a decode step holds hundreds)."""
         last = self._last_sample
         rows = [r.row for r in reqs]
         start = [r.start_pos for r in reqs]
@@ -358,7 +378,9 @@ class Engine:
         self._history.update((r.row, list(r.history_ids)) for r in reqs if r.history_ids)
         mamba = [r.mamba_slot for r in reqs if r.mamba_slot is not None]
         want = [r.sample * (1 + r.num_draft) for r in reqs]
-        inp = BatchInput(rows, start, ids, new_slots, mamba or None, want)
+        return BatchInput(rows, start, ids, new_slots, mamba or None, want)
+
+    def _run(self, inp: BatchInput, all_logits: bool) -> torch.Tensor:
         batch = ForwardBatch.build(inp, self.device, self.attn, all_logits=all_logits)
         return self.model.forward(batch, self._ctx)
 

@@ -58,6 +58,7 @@ class EngineConfig:
     host_state_share: float = 0.25
     attention: AttentionPath = "cascade"
     threads: int = 0  # torch intra-op threads; 0 = torch's default (one per core)
+    draft_model: str = ""  # speculative decoding: a draft checkpoint with the target's tokenizer
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -179,6 +179,7 @@ def engine_config(cfg: WorkerConfig) -> EngineConfig:
         host_state_share=cfg.host_state_share,
         attention=cfg.attention,
         threads=cfg.threads,
+        draft_model=cfg.speculative_draft_model,
     )
 
 

@@ -152,12 +152,14 @@ def _batch_passes(reqs: list[ReqInput], lim: _Limits, sampled: set[int], lengths
         and _within(list(chain.from_iterable(r.prefix_slots for r in reqs)), lim.num_slots)
         and _within([r.top_logprobs for r in reqs], lim.max_top_logprobs + 1)
         and _within(list(chain.from_iterable(r.history_ids for r in reqs)), lim.vocab_size)
-        and (not any(r.num_draft for r in reqs) or all(map(_drafts_pass, reqs)))
+        and (not any(r.num_draft or r.worker_drafts for r in reqs) or all(map(_drafts_pass, reqs)))
     )
 
 
 def _drafts_pass(r: ReqInput) -> bool:
     """``_check_tokens``'s rule for draft tokens."""
+    if r.worker_drafts and not r.num_draft:
+        return False
     return not r.num_draft or (
         0 < r.num_draft < len(r.input_ids)
         and r.sample and not r.use_last_sample and not r.mask_follows and r.token_bitmask is None
@@ -247,6 +249,8 @@ def _check_tokens(
         bad = [t for t in r.input_ids if not 0 <= t < vocab_size]
         if bad:
             raise StepError(f"{where}: input_ids has token {bad[0]} outside [0, {vocab_size})")
+    if r.worker_drafts and not r.num_draft:
+        raise StepError(f"{where}: worker_drafts needs num_draft > 0")
     if r.num_draft:
         if not 0 < r.num_draft < len(r.input_ids):
             raise StepError(

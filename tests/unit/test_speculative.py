@@ -165,6 +165,17 @@ def test_check_step_refuses_bad_drafts(change: dict, fragment: str) -> None:
         _check_each([r], _lim(), set(), {})
 
 
+def test_worker_drafts_travel_as_a_flag_and_need_drafts() -> None:
+    r = ReqInput("a", 0, [1, 0, 0], 0, [9, 11, 12], num_draft=2, worker_drafts=True)
+    msg = step_codec.step_to_pb(StepRequest(3, reqs=[r]))
+    assert msg.batch.flags[0] & wpb.REQ_FLAG_WORKER_DRAFTS
+    assert step_codec.step_from_pb(wpb.StepRequest.FromString(msg.SerializeToString())).reqs == [r]
+    _check_each([r], _lim(), set(), {})
+    r.num_draft = 0
+    with pytest.raises(StepError, match="worker_drafts needs num_draft > 0"):
+        _check_each([r], _lim(), set(), {})
+
+
 def test_num_draft_travels_only_when_used() -> None:
     plain = [ReqInput("a", 0, [1], 4, [9]), ReqInput("b", 1, [2], 4, [10])]
     assert not step_codec.step_to_pb(StepRequest(1, reqs=plain)).batch.num_draft
