@@ -31,7 +31,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SRC = Path(__file__).with_name("csrc") / "paged_decode.c"
+_SRCS = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "fused.c"))
 _COMPILE = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 _LINK = ("-shared", "-fopenmp")
 # (compile flags, link libraries), tried in order. -ffast-math lets gcc call glibc's vector expf
@@ -71,22 +71,24 @@ def _build_dir() -> Path:
 def _compile(cc: str, out: Path) -> bool:
     out.parent.mkdir(parents=True, exist_ok=True)
     for flags, libs in _VARIANTS:
-        obj = out.with_suffix(f".{os.getpid()}.o")
+        objs = [out.with_suffix(f".{src.stem}.{os.getpid()}.o") for src in _SRCS]
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        steps = (
-            [cc, *_COMPILE, *flags, "-c", "-o", str(obj), str(_SRC)],
-            [cc, *_LINK, "-o", str(tmp), str(obj), *libs],
-        )
+        steps = [
+            *([cc, *_COMPILE, *flags, "-c", "-o", str(obj), str(src)] for src, obj in zip(_SRCS, objs, strict=True)),
+            [cc, *_LINK, "-o", str(tmp), *map(str, objs), *libs],
+        ]
         for cmd in steps:
             done = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if done.returncode:
                 log.debug("native kernels: %s failed: %s", " ".join(cmd), done.stderr.strip()[:500])
                 break
         else:
-            obj.unlink(missing_ok=True)
+            for obj in objs:
+                obj.unlink(missing_ok=True)
             os.replace(tmp, out)  # atomic: processes building at once never load half a file
             return True
-        obj.unlink(missing_ok=True)
+        for obj in objs:
+            obj.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
     return False
 
@@ -104,7 +106,8 @@ def load() -> ctypes.CDLL | None:
             return None
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
         flags = [*_COMPILE, *_LINK, *(f for v in _VARIANTS for part in v for f in part)]
-        key = hashlib.sha256("\0".join([_SRC.read_text(), *flags, version, _cpu_flags()]).encode()).hexdigest()[:16]
+        sources = [src.read_text() for src in _SRCS]
+        key = hashlib.sha256("\0".join([*sources, *flags, version, _cpu_flags()]).encode()).hexdigest()[:16]
         path = _build_dir() / f"paged_decode-{key}.so"
         if not path.exists() and not _compile(cc, path):
             log.warning("native CPU kernels failed to build with %s: attention gathers keys instead", cc)
@@ -115,6 +118,12 @@ def load() -> ctypes.CDLL | None:
         fn = lib.strata_paged_decode_f32
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
         fn.restype = ctypes.c_int
+        ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        lib.strata_silu_mul_f32.argtypes = [ptr, ptr, i64]
+        lib.strata_add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32]
+        lib.strata_rms_norm_rope_f32.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, ptr, i64]
+        for name in ("strata_silu_mul_f32", "strata_add_rms_norm_f32", "strata_rms_norm_rope_f32"):
+            getattr(lib, name).restype = None
         _lib = lib
         return lib
 

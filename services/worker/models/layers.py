@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import fused
 from services.worker.tp import SINGLE, RowLinear, Tp, column_linear
 
 
@@ -40,6 +41,13 @@ class RMSNorm(nn.Module):
             return (normed * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * normed.to(x.dtype)
 
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``x += residual`` in place (the residual stream after a block), then its norm: one
+        native pass on fp32 CPU tensors instead of torch's two."""
+        if not self.unit_offset and fused.usable(x, residual, self.weight):
+            return fused.add_rms_norm_(x, residual, self.weight, self.eps)
+        return self(x.add_(residual))
+
 
 class RotaryEmbedding:
     """Rotary position embedding (the "rotate half" layout) on the first ``rotary_dim`` dims.
@@ -68,6 +76,17 @@ class RotaryEmbedding:
             self._inv_freq = inv
         freqs = positions.float()[:, None] * inv[None, :]
         return freqs.cos(), freqs.sin()
+
+    def norm_apply(
+        self, x: torch.Tensor, norm: RMSNorm | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """``apply(norm(x))`` (``norm`` None: ``apply(x)``) for ``x [T, H, head_dim]``: in place in
+        one native pass on fp32 CPU tensors (the q / k norm and rotary of a prefill were six torch
+        passes and the layer's most expensive elementwise work)."""
+        weight = None if norm is None or norm.unit_offset else norm.weight
+        if (norm is None or weight is not None) and fused.usable(x, cos, sin, *(() if weight is None else (weight,))):
+            return fused.rms_norm_rope_(x, weight, norm.eps if norm is not None else 0.0, cos, sin, self.rotary_dim)
+        return self.apply(x if norm is None else norm(x), cos, sin)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [T, H, head_dim]`` by the per-token angles (``cos``/``sin`` from ``cos_sin``)."""
@@ -102,7 +121,8 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         # In place on the gate's output: two [T, intermediate] temporaries fewer per layer (the
         # same operations in the same order, so the same values).
-        h = F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        h = fused.silu_mul_(gate, up) if fused.usable(gate, up) else F.silu(gate, inplace=True).mul_(up)
         y = self.down_proj(h)
         return self.tp.all_reduce(y) if reduce else y
 

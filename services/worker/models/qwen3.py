@@ -7,7 +7,7 @@ the loader matches checkpoint tensors by name. Llama is the same network without
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -120,10 +120,8 @@ class DenseAttention(nn.Module):
         q = self.q_proj(x).view(t, -1, self.head_dim)
         k = self.k_proj(x).view(t, -1, self.head_dim)
         v = self.v_proj(x).view(t, -1, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = self.rotary.apply(q, cos, sin)
-        k = self.rotary.apply(k, cos, sin)
+        q = self.rotary.norm_apply(q, self.q_norm, cos, sin)
+        k = self.rotary.norm_apply(k, self.k_norm, cos, sin)
         o = ctx.attn.forward(q, k, v, self.kv_layer, batch, self.scale)
         return self.tp.all_reduce(self.o_proj(o.reshape(t, -1)))
 
@@ -137,11 +135,15 @@ class DenseDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext
-    ) -> torch.Tensor:
-        # Residual adds into the branch's fresh output (a + b == b + a exactly): no new [T, hidden].
-        h = self.self_attn(self.input_layernorm(h), cos, sin, batch, ctx).add_(h)
-        return self.mlp(self.post_attention_layernorm(h)).add_(h)
+        self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` is ``input_layernorm(h)`` of the residual stream ``h``. Returns the MLP's output and
+        the stream after attention: the stream after the layer is their sum, which the caller adds
+        in one pass with the next norm (``RMSNorm.add_norm``)."""
+        # Residual adds go into the branch's fresh output (a + b == b + a exactly): no new [T, hidden].
+        a = self.self_attn(x, cos, sin, batch, ctx)
+        return self.mlp(self.post_attention_layernorm.add_norm(a, h)), a
 
 
 class DenseModel(nn.Module):
@@ -156,8 +158,14 @@ class DenseModel(nn.Module):
         """Hidden states after the final norm for the tokens in ``batch.logit_index``."""
         h = self.embed_tokens(batch.input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions)
-        for layer in self.layers:
-            h = layer(h, cos, sin, batch, ctx)
+        layers = cast(list[DenseDecoderLayer], list(self.layers))
+        x = layers[0].input_layernorm(h)
+        for i, layer in enumerate(layers):
+            m, a = layer(x, h, cos, sin, batch, ctx)
+            if i + 1 < len(layers):  # the residual add and the next layer's norm in one pass
+                x, h = layers[i + 1].input_layernorm.add_norm(m, a), m
+            else:
+                h = m.add_(a)
         # RMSNorm is per token, so selecting first is exact and skips the other tokens' work.
         return self.norm(h.index_select(0, batch.logit_index))
 
