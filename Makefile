@@ -14,7 +14,7 @@ PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := strata/.generated
 PORT ?= 50051
 
-.PHONY: fuzz native bench-attention run test test-unit test-engine test-services test-all soak bench bench-servers bench-vllm bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas bench-tp bench-overhead bench-spec soak-hicache soak-text compose-certs lint protos install system-deps models clean
+.PHONY: fuzz native bench-attention gpu-check gpu-wheels run test test-unit test-engine test-services test-all soak bench bench-servers bench-vllm bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas bench-tp bench-overhead bench-spec soak-hicache soak-text compose-certs lint protos install system-deps models clean
 
 run: install models
 	$(BIN)/strata up --model $(TINY) --port $(PORT)
@@ -142,6 +142,17 @@ bench-overhead: install $(NULL_MODEL)/config.json
 
 $(NULL_MODEL)/config.json: | install
 	$(BIN)/strata model tiny --arch qwen3 --size null --out $(NULL_MODEL)
+
+# The GPU check of issue #32 (scripts/gpu_check.sh -> benchmarks/gpu_check.py): the engine against
+# transformers on cuda, the Triton kernels compiled, the CUDA VMM pool, step times and the control
+# plane on a lent GPU, in one device-tool call after `make gpu-wheels` (see "GPU" in docs/benchmarks.md).
+# Here, without a GPU, it is the same driver's CPU dry run (~20 s; make test runs it too).
+gpu-check: install models
+	bash scripts/gpu_check.sh
+
+# The wheels (and the etcd binary) a lent GPU machine lacks, into .whl/ for the device tool to carry (~37 MiB).
+gpu-wheels: install system-deps
+	PY=$(BIN)/python bash scripts/gpu_wheels.sh
 
 # Development certificates for compose.tls.yaml (a CA and one certificate for every service name).
 COMPOSE_HOSTS := etcd kvstore worker worker-1 scheduler scheduler-1 tokenizer localhost 127.0.0.1

@@ -13,6 +13,8 @@ hybrid.py         hybrid vs dense prefix reuse, Marconi vs LRU state eviction (m
 replicas.py       KV-aware routing vs round-robin vs least-load over replicas (make bench-replicas)
 kvstore_bw.py     kvstore put / get GB/s through real server processes (make bench-kvstore)
 tp.py             step time at TP 1 vs TP 2, bytes all-reduced per token (make bench-tp)
+gpu_check.py      the GPU check of a lent machine: tests on cuda, kernels, VMM, step, control (make gpu-check)
+gpu_step.py       engine step times on a GPU and the attention kernels' bandwidth vs the copy rate
 
 The older micro-benchmarks (attention_micro.py, host_cache_copy.py, radix_micro.py, overhead.py)
 run as scripts: ``python benchmarks/<name>.py``.

@@ -38,3 +38,12 @@ def _one_torch_thread() -> None:
     import torch
 
     torch.set_num_threads(1)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """``STRATA_TEST_DEVICE`` (tests/device.py) names a device this machine has, or nothing runs."""
+    from tests.device import check_test_device
+
+    problem = check_test_device()
+    if problem is not None:
+        raise pytest.UsageError(problem)

@@ -14,6 +14,7 @@ from services.scheduler.request import FinishEvent, Req, TokenEvent
 from services.scheduler.worker_link import InProcessWorkerLink
 from services.worker.engine import Engine, EngineConfig
 from strata.v1 import strata_pb2 as pb
+from tests.device import TEST_DEVICE
 
 T = TypeVar("T")
 
@@ -91,9 +92,10 @@ def engine(
     model: Path, kv_cache_bytes: int = 1 << 22, max_rows: int = 32, mamba_slots: int = 0, page_size: int = 1,
     **elastic: int,
 ) -> Engine:
-    """``elastic``: ``kv_max_bytes`` / ``mamba_max_slots`` reservations (see EngineConfig)."""
-    cfg = EngineConfig(kv_cache_bytes=kv_cache_bytes, max_rows=max_rows, mamba_slots=mamba_slots, page_size=page_size,
-                       **elastic)
+    """An engine on the test device (``STRATA_TEST_DEVICE``, tests/device.py; default the CPU).
+    ``elastic``: ``kv_max_bytes`` / ``mamba_max_slots`` reservations (see EngineConfig)."""
+    cfg = EngineConfig(device=TEST_DEVICE, kv_cache_bytes=kv_cache_bytes, max_rows=max_rows, mamba_slots=mamba_slots,
+                       page_size=page_size, **elastic)
     return Engine(model, cfg)
 
 

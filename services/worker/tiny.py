@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 
 Arch = Literal["qwen3", "qwen3-next"]
-Size = Literal["tiny", "bench", "null"]
+Size = Literal["tiny", "bench", "null", "0.6b"]
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
@@ -67,6 +67,9 @@ class _Shape:
     head_dim: int
     context: int
     corpus_lines: int
+    # Rows of the embedding and the LM head when more than the tokenizer's vocabulary (0 = the
+    # tokenizer's): real Qwen3 checkpoints pad their 151,669 tokens to 151,936 rows.
+    model_vocab: int = 0
 
 
 _SHAPES: dict[Size, _Shape] = {
@@ -84,6 +87,14 @@ _SHAPES: dict[Size, _Shape] = {
     "bench": _Shape(
         vocab=8192, hidden=512, intermediate=1536, layers=8, heads=8, kv_heads=4, head_dim=64, context=8192,
         corpus_lines=60000,
+    ),
+    # Qwen3-0.6B's shape (28 layers, hidden 1024, 16 heads / 8 KV heads of 128, its 151,936-row
+    # vocabulary; untied head, see ``_model_config``): what a step costs on a GPU at a real size
+    # (benchmarks/gpu_step.py). The tokenizer is the bench one; its ids are a subset of the rows.
+    # About 3 GB of fp32 safetensors; qwen3 only.
+    "0.6b": _Shape(
+        vocab=8192, hidden=1024, intermediate=3072, layers=28, heads=16, kv_heads=8, head_dim=128, context=40960,
+        corpus_lines=60000, model_vocab=151936,
     ),
 }
 
@@ -218,7 +229,7 @@ def _model_config(arch: Arch, size: Size, shape: _Shape, vocab: int, ids: dict[s
     from transformers import Qwen3Config, Qwen3NextConfig
 
     common: dict[str, Any] = {
-        "vocab_size": vocab,
+        "vocab_size": max(vocab, shape.model_vocab),
         "hidden_size": shape.hidden,
         "intermediate_size": shape.intermediate,
         "num_hidden_layers": shape.layers,
@@ -279,8 +290,10 @@ def write_tiny_checkpoint(
     if arch not in ("qwen3", "qwen3-next"):
         raise ValueError(f"arch must be 'qwen3' or 'qwen3-next', got {arch!r}")
     if size not in _SHAPES:
-        raise ValueError(f"size must be 'tiny' or 'bench', got {size!r}")
-    report = progress or (_stderr if size == "bench" else _silent)
+        raise ValueError(f"size must be one of {sorted(_SHAPES)}, got {size!r}")
+    if size == "0.6b" and arch != "qwen3":
+        raise ValueError(f"size '0.6b' is Qwen3-0.6B's shape: arch must be 'qwen3', got {arch!r}")
+    report = progress or (_stderr if size in ("bench", "0.6b") else _silent)
     shape = _SHAPES[size]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""The worker engine on the tiny Qwen3 (fp32, CPU) against transformers, on every cache path.
+"""The worker engine on the tiny Qwen3 (fp32; on the test device, tests/device.py, default the CPU)
+against transformers (fp32, CPU), on every cache path.
 
 Logits must match transformers within 1e-4 (cold prefill, prefix hit, chunked prefill, decode,
 and all of them mixed in one batch); greedy output must equal ``generate``; a malformed step is a
@@ -27,6 +28,7 @@ from services.common.step import (
 from services.worker.engine import Engine, EngineConfig
 from services.worker.sampler import SamplerInput, sample
 from services.worker.tiny import write_tiny_checkpoint
+from tests.device import TEST_DEVICE
 
 TOL = 1e-4
 MAX_ROWS = 8
@@ -58,7 +60,8 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Ckpt:
 
 @pytest.fixture
 def engine(ckpt: Ckpt) -> Engine:
-    return Engine(ckpt.path, EngineConfig(kv_cache_bytes=2 << 20, max_rows=MAX_ROWS, max_context=512))
+    cfg = EngineConfig(device=TEST_DEVICE, kv_cache_bytes=2 << 20, max_rows=MAX_ROWS, max_context=512)
+    return Engine(ckpt.path, cfg)
 
 
 def ref_logits(ckpt: Ckpt, ids: list[int]) -> torch.Tensor:
@@ -86,7 +89,7 @@ def extend(rid: str, row: int, ids: list[int], start: int, slots: list[int], **k
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape
-    return float((a - b).abs().max())
+    return float((a.cpu() - b.cpu()).abs().max())
 
 
 def test_cold_prefill_matches_transformers(engine: Engine, ckpt: Ckpt) -> None:

@@ -6,6 +6,10 @@ already have imported `kernels` without it, so each kernel family runs in a fres
 file run as a script — with the variable set in the child's environment. Production code never reads
 the variable. Shapes are small (the interpreter runs every program through numpy) but chosen to cross
 block boundaries: several query/key blocks, split state columns, partial last words and channel blocks.
+
+With ``STRATA_TEST_DEVICE=cuda`` (tests/device.py; a lent GPU, ``scripts/gpu_check.sh``) the same cases
+run compiled instead: the child makes that device torch's default (every case tensor lives there)
+and the interpreter stays off; the bf16 shared kernel, which the interpreter cannot run, runs too.
 """
 
 from __future__ import annotations
@@ -143,7 +147,8 @@ def cascade_batch(
     """
     from kernels.attention.prefix_groups import PrefixGroups
 
-    g = torch.Generator().manual_seed(seed)
+    device = torch.get_default_device()  # the CPU, or the GPU the child runs the cases on
+    g = torch.Generator(device=device).manual_seed(seed)
     layouts: list[list[int]] = []  # each request's slots, filled below
     groups: list[tuple[list[int], int]] = []
     need = sum(alone)
@@ -176,7 +181,7 @@ def cascade_batch(
         req_to_token=table,
         rows=rows,
         seq_lens=torch.tensor([len(slots) for slots in layouts]),
-        groups=PrefixGroups.from_lists(groups, batch),
+        groups=PrefixGroups.from_lists(groups, batch, device),
     )
 
 
@@ -204,8 +209,9 @@ def cases_cascade() -> Results:
         tol = {torch.float16: HALF_TOLERANCE, torch.bfloat16: BF16_TOLERANCE}.get(dtype, FP32_TOLERANCE)
         args = (c.q, c.k_cache, c.v_cache, c.req_to_token, c.rows)
         # The interpreter multiplies the raw bits of bf16 `tl.dot` operands (triton-lang/triton#11584,
-        # "not supported yet"), so the bf16 shared kernel is only compiled (see compile_for_sm90).
-        dot_ok = dtype != torch.bfloat16
+        # "not supported yet"), so the bf16 shared kernel is only compiled (see compile_for_sm90), or
+        # run on a GPU.
+        dot_ok = dtype != torch.bfloat16 or c.q.is_cuda
         if dot_ok:
             members = c.groups.members_t
             o_ref, lse_ref = shared_prefix_decode_torch(*args, c.groups, 0.3)
@@ -239,8 +245,9 @@ def cases_backend() -> Results:
     from services.worker.pools import KVPool, ReqToTokenTable
 
     hq, hkv, d = 4, 2, 16
-    kv = KVPool(1, 400, hkv, d, torch.float32)
-    table = ReqToTokenTable(8, 128)
+    device = torch.get_default_device()
+    kv = KVPool(1, 400, hkv, d, torch.float32, device)
+    table = ReqToTokenTable(8, 128, device)
     prefix = list(range(100, 140))  # 40 slots shared by rows 0-2; row 3 alone
     table.write_runs([(0, 0, prefix), (1, 0, prefix), (2, 0, prefix), (3, 0, list(range(200, 230)))])
     reference = ReferenceAttention(kv, table)
@@ -257,10 +264,10 @@ def cases_backend() -> Results:
         inp = BatchInput(rows, starts, [[1] * n for n in lens], new, None, [1] * len(rows))
         t = sum(lens)
         q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
-        want = reference.forward(q, k, v, 0, ForwardBatch.build(inp, torch.device("cpu"), reference), 0.25)
+        want = reference.forward(q, k, v, 0, ForwardBatch.build(inp, device, reference), 0.25)
         for cascade in (True, False):
             backend = TritonAttention(kv, table, cascade)
-            batch = ForwardBatch.build(inp, torch.device("cpu"), backend)
+            batch = ForwardBatch.build(inp, device, backend)
             grouped = batch.attn.groups is not None
             out[f"backend/{name}/cascade={cascade}/groups_formed"] = (0.0 if grouped == cascade else math.inf, 0.0)
             got = backend.forward(q, k, v, 0, batch, 0.25)
@@ -436,7 +443,11 @@ FAMILIES: dict[str, Callable[[], Results]] = {
 
 
 def run_family(family: str) -> Results:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    from tests.device import TEST_DEVICE
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if TEST_DEVICE == "cpu":
+        env["TRITON_INTERPRET"] = "1"
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), family],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
@@ -467,15 +478,20 @@ def test_triton_kernels_compile_for_a_hopper_gpu() -> None:
 
 
 if __name__ == "__main__":
-    # Child mode. `compile` must see real kernels, the numeric cases the interpreter (no GPU here).
+    # Child mode. `compile` must see real kernels; the numeric cases the interpreter on the CPU, or
+    # the compiled kernels on the test device.
     sys.path.insert(0, str(ROOT))
+    from tests.device import TEST_DEVICE
+
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if sys.argv[1] == "compile":
         if interpreted:
             sys.exit("run `compile` without TRITON_INTERPRET")
         print(json.dumps(compile_for_sm90()))
     else:
-        if not interpreted:
-            sys.exit("run with TRITON_INTERPRET=1")
+        if interpreted == (TEST_DEVICE != "cpu"):
+            sys.exit("run with TRITON_INTERPRET=1 on the CPU, without it on a GPU (STRATA_TEST_DEVICE)")
+        if TEST_DEVICE != "cpu":
+            torch.set_default_device(TEST_DEVICE)
         torch.manual_seed(0)
         print(json.dumps(FAMILIES[sys.argv[1]]()))

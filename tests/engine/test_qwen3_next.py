@@ -1,4 +1,5 @@
-"""Qwen3-Next through the worker engine against transformers (tiny checkpoint, fp32, CPU).
+"""Qwen3-Next through the worker engine against transformers (tiny checkpoint, fp32; the engine on the
+test device, tests/device.py, default the CPU).
 
 The harness plays the scheduler: it hands out KV slots, rows and Mamba slots, and sends the
 ``MambaCopy`` / ``MambaReset`` ops a scheduler would (copy-on-write when a request starts from a
@@ -26,6 +27,7 @@ import torch
 from services.common.step import CacheOp, MambaCopy, MambaReset, ReqInput, StepRequest
 from services.worker.engine import Engine, EngineConfig
 from services.worker.tiny import write_tiny_checkpoint
+from tests.device import TEST_DEVICE
 
 TOL = 1e-4
 FINAL_NORM_GAIN = 3.0  # see the module docstring
@@ -83,7 +85,8 @@ class Harness:
 
     def __init__(self, ck: Checkpoint) -> None:
         self.engine = Engine(
-            ck.path, EngineConfig(kv_cache_bytes=4 << 20, max_rows=8, max_context=512, mamba_slots=16)
+            ck.path,
+            EngineConfig(device=TEST_DEVICE, kv_cache_bytes=4 << 20, max_rows=8, max_context=512, mamba_slots=16),
         )
         self._slot = itertools.count(1)  # slot 0 never handed out: catches "all zero" bugs
         self._row, self._mamba, self._step = itertools.count(), itertools.count(), itertools.count()
@@ -149,7 +152,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max())
+    return float((a.cpu() - b.cpu()).abs().max())
 
 
 def test_cold_prefill(ckpt: Checkpoint) -> None:
