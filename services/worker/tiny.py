@@ -14,6 +14,7 @@ typically orders of magnitude above fp32 noise and greedy output is a varied seq
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import time
@@ -30,12 +31,66 @@ Size = Literal["tiny", "bench", "null", "0.6b"]
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+# A chat template in Qwen3's shape, in this project's own words: ChatML turns; tools listed in the
+# system turn, calls written as <tool_call>{"name": ..., "arguments": {...}}</tool_call> (the hermes
+# format of --tool-call-parser), tool results sent back in a user turn as <tool_response> blocks;
+# reasoning as <think>...</think>, kept only for the turns after the last user message;
+# `enable_thinking=false` closes an empty think block in the generation prompt. Plain conversations
+# render exactly as ChatML.
+CHAT_TEMPLATE = """\
+{%- set ns = namespace(last_user=-1) -%}
+{%- for m in messages -%}
+{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
+{%- set system_first = messages | length > 0 and messages[0]['role'] == 'system' -%}
+{%- if tools -%}
+{{- '<|im_start|>system\n' -}}
+{%- if system_first -%}{{- messages[0]['content'] + '\n\n' -}}{%- endif -%}
+{{- '# Tools\n\nYou may call the functions below. ' -}}
+{{- 'Each one is described by a JSON schema inside <tools></tools>:\n<tools>' -}}
+{%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}
+{{- '\n</tools>\n\nTo call one, answer with a JSON object holding its name and arguments ' -}}
+{{- 'between <tool_call></tool_call> tags, one pair of tags per call:\n<tool_call>\n' -}}
+{{- '{"name": <function name>, "arguments": <arguments as a JSON object>}\n</tool_call><|im_end|>\n' -}}
+{%- endif -%}
+{%- for m in messages -%}
+{%- set content = m['content'] if m['content'] is string else '' -%}
+{%- if m['role'] == 'system' and loop.first and tools -%}
+{%- elif m['role'] == 'system' or m['role'] == 'user' -%}
+{{- '<|im_start|>' + m['role'] + '\n' + content + '<|im_end|>\n' -}}
+{%- elif m['role'] == 'assistant' -%}
+{%- set reasoning = m['reasoning_content'] if m['reasoning_content'] is string else '' -%}
+{%- if '</think>' in content -%}
+{%- set reasoning = content.split('</think>')[0].split('<think>')[-1] -%}
+{%- set content = content.split('</think>')[-1].lstrip('\n') -%}
+{%- endif -%}
+{{- '<|im_start|>assistant\n' -}}
+{%- if loop.index0 > ns.last_user and reasoning -%}
+{{- '<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' -}}
+{%- endif -%}
+{{- content -}}
+{%- for call in (m['tool_calls'] or []) -%}
+{%- set f = call['function'] if call['function'] is defined else call -%}
+{%- if content or not loop.first -%}{{- '\n' -}}{%- endif -%}
+{{- '<tool_call>\n{"name": "' + f['name'] + '", "arguments": ' -}}
+{%- if f['arguments'] is string -%}{{- f['arguments'] -}}
+{%- else -%}{{- f['arguments'] | tojson -}}{%- endif -%}
+{{- '}\n</tool_call>' -}}
+{%- endfor -%}
+{{- '<|im_end|>\n' -}}
+{%- elif m['role'] == 'tool' -%}
+{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
+{{- '\n<tool_response>\n' + content + '\n</tool_response>' -}}
+{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\n' -}}{%- endif -%}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|im_start|>assistant\n' -}}
+{%- if enable_thinking is defined and enable_thinking is false -%}
+{{- '<think>\n\n</think>\n\n' -}}
+{%- endif -%}
+{%- endif -%}
+"""
 
 # Gain given to the final RMSNorm after init: logits = norm(h) · W^T grow linearly with it
 # (std ~ initializer_range * sqrt(hidden) * gain = 0.8 * gain ~ 5) while the residual stream is
@@ -322,6 +377,24 @@ def write_tiny_checkpoint(
     model.save_pretrained(out, safe_serialization=True)
     report(f"done in {time.monotonic() - t0:.1f}s")
     return out
+
+
+def refresh_chat_template(model_dir: Path) -> bool:
+    """Give a checkpoint written by an older version of this module today's ``CHAT_TEMPLATE``.
+
+    Only ``tokenizer_config.json`` changes (replaced atomically: readers see the old file or the
+    new one): the template is the one part of a tiny checkpoint that has changed since the first
+    ones were written. Returns whether the file was rewritten.
+    """
+    path = Path(model_dir) / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    if config.get("chat_template") == CHAT_TEMPLATE:
+        return False
+    config["chat_template"] = CHAT_TEMPLATE
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, path)
+    return True
 
 
 def _stderr(line: str) -> None:
