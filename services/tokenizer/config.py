@@ -36,6 +36,13 @@ class TokenizerConfig:
     router_load_weight: float = field(
         default=32.0, metadata=_h("kv / least_load routing: prompt tokens one running request weighs as")
     )
+    tool_call_parser: Literal["hermes", "qwen3_coder"] = field(default="hermes", metadata=_h(
+        "how the model writes tool calls: hermes (Qwen3: JSON in tool_call tags) or qwen3_coder (Qwen3-Coder's "
+        "function / parameter XML); the HTTP API parses calls, and constrains tool_choice required / named, in it"
+    ))
+    reasoning_parser: Literal["none", "qwen3"] = field(default="none", metadata=_h(
+        "qwen3: a chat answer's leading think block becomes reasoning_content (HTTP API); none: it stays in content"
+    ))
     metrics_port: int = field(default=-1, metadata=_h("Prometheus port; -1 = off, 0 = pick"))
     trace_exporter: Literal["none", "console", "file", "otlp"] = field(default="none", metadata=_h("spans"))
     trace_target: str = field(default="", metadata=_h("file path or OTLP endpoint for spans"))

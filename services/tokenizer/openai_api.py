@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
-from dataclasses import dataclass, field
-from functools import lru_cache
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from functools import lru_cache, partial
+from typing import Any, Protocol
 
 import grpc
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -32,8 +30,20 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.common.auth import ApiKeys
-from services.common.errors import StrataError
-from services.tokenizer.openai_schema import ChatCompletionRequest, CompletionRequest, public_message
+from services.common.errors import InvalidArgument, StrataError
+from services.tokenizer.chat import Prepared
+from services.tokenizer.chat_output import ChatOutput
+from services.tokenizer.openai_reply import GenerationFailed, Reply, sse
+from services.tokenizer.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    chat_messages,
+    public_message,
+)
+from services.tokenizer.reasoning import ReasoningFormat
+from services.tokenizer.tool_parsers import ToolFormat
 from strata.v1 import strata_pb2 as pb
 
 HTTP_STATUS = {
@@ -57,12 +67,6 @@ ERROR_TYPES = {
     409: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
-}
-FINISH = {
-    pb.FINISH_REASON_STOP: "stop",
-    pb.FINISH_REASON_LENGTH: "length",
-    pb.FINISH_REASON_ABORT: "abort",
-    pb.FINISH_REASON_ERROR: "error",
 }
 MAX_BODY_BYTES = 32 << 20  # as the public gRPC port's message limit
 
@@ -92,6 +96,8 @@ def api_error(exc: BaseException, prompt_field: str) -> ApiError:
     """The HTTP form of an exception raised on the generation path."""
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, GenerationFailed):
+        return ApiError(500, str(exc))
     if isinstance(exc, StrataError):
         status = HTTP_STATUS.get(exc.code, 500)
         message, param = public_message(str(exc), prompt_field) if status == 400 else (str(exc), None)
@@ -118,13 +124,6 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         return ApiError(400, msg, head if sep and " " not in head else None)
     name = path[0] + "".join(f"[{x}]" if x.isdigit() else f".{x}" for x in path[1:])
     return ApiError(400, f"{name}: {msg}", path[0])
-
-
-@dataclass(slots=True)
-class _Choice:
-    text: list[str] = field(default_factory=list)
-    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
-    last: pb.GenerateResponse | None = None
 
 
 class Choices:
@@ -212,41 +211,55 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, Respo
         watcher.cancel()
 
 
-def _first_per_key(pairs: Iterable[tuple[str, float]]) -> dict[str, float]:
-    """The legacy format keys top logprobs by text; two ids that decode alike keep the likelier."""
-    out: dict[str, float] = {}
-    for k, v in pairs:
-        out.setdefault(k, v)
-    return out
+class Backend(Protocol):
+    """What the routes need of the tokenizer service (``StrataServicer``); each raises
+    ``StrataError`` naming the field at fault."""
 
+    async def prepare(self, request: pb.GenerateRequest) -> Prepared: ...
 
-def _sse(obj: dict[str, Any] | str) -> bytes:
-    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
+    def generate(
+        self, request: pb.GenerateRequest, timeout_s: float | None = None, prepared: Prepared | None = None
+    ) -> AsyncIterator[pb.GenerateResponse]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    async def tokenize_text(self, text: str, add_special_tokens: bool) -> list[int]: ...
+
+    async def tokenize_chat(
+        self, chat: pb.ChatMessages, add_generation_prompt: bool, continue_final: bool, add_special_tokens: bool
+    ) -> list[int]: ...
+
+    def token_strs(self, ids: list[int]) -> list[str]: ...
+
+    def detokenize_ids(self, ids: list[int]) -> str: ...
 
 
 class OpenAIFront:
-    """The routes; ``generate`` is ``StrataServicer.generate``, ``ready`` says whether a scheduler
-    with a connected worker serves."""
+    """The routes; ``ready`` says whether a scheduler with a connected worker serves;
+    ``tool_format`` and ``reasoning`` are the model's formats (``--tool-call-parser``,
+    ``--reasoning-parser``)."""
 
     def __init__(
         self,
-        generate: Callable[[pb.GenerateRequest], AsyncIterator[pb.GenerateResponse]],
-        decode: Callable[[list[int]], str],
+        backend: Backend,
         model: str,
         context_length: int,
         keys: ApiKeys,
         registry: CollectorRegistry,
         ready: Callable[[], Awaitable[bool]],
+        tool_format: ToolFormat = "hermes",
+        reasoning: ReasoningFormat = "none",
     ) -> None:
-        self.generate = generate
+        self.backend = backend
         self.model = model
         self.context_length = context_length
         self.keys = keys
         self.registry = registry
         self.ready = ready
+        self.tool_format: ToolFormat = tool_format
+        self.reasoning: ReasoningFormat = reasoning
         self.created = int(time.time())
-        self.token_text = lru_cache(maxsize=65536)(lambda i: decode([i]))
+        self.token_text = lru_cache(maxsize=65536)(lambda i: backend.decode([i]))
 
     # -- app ------------------------------------------------------------------------------------
     def app(self) -> FastAPI:
@@ -267,6 +280,11 @@ class OpenAIFront:
         v1.add_api_route("/chat/completions", self.chat, methods=["POST"], response_model=None)
         v1.add_api_route("/completions", self.completions, methods=["POST"], response_model=None)
         app.include_router(v1)
+        # vLLM's tokenizer routes (outside /v1, as there), behind the same API keys
+        tokens = APIRouter(dependencies=[Depends(self._authorize)])
+        tokens.add_api_route("/tokenize", self.tokenize, methods=["POST"])
+        tokens.add_api_route("/detokenize", self.detokenize, methods=["POST"])
+        app.include_router(tokens)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         return app
@@ -297,6 +315,41 @@ class OpenAIFront:
     async def metrics(self) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """``{count, max_model_len, tokens, token_strs}`` of a prompt, or of a conversation as the
+        chat template renders it."""
+        if body.model is not None:
+            self._check_model(body.model)
+        b = self.backend
+        try:
+            if body.prompt is not None:
+                ids = await b.tokenize_text(body.prompt, body.add_special_tokens is not False)
+            else:
+                assert body.messages is not None
+                chat = chat_messages(body.messages, body.tools, body.chat_template_kwargs)
+                generation_prompt = body.add_generation_prompt and not body.continue_final_message
+                ids = await b.tokenize_chat(chat, generation_prompt, body.continue_final_message,
+                                            bool(body.add_special_tokens))  # fmt: skip
+        except StrataError as e:
+            raise api_error(e, "prompt" if body.prompt is not None else "messages") from e
+        return {
+            "count": len(ids),
+            "max_model_len": self.context_length,
+            "tokens": ids,
+            "token_strs": b.token_strs(ids) if body.return_token_strs else None,
+        }
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        """``{prompt}``: the text of token ids, special tokens included (so it tokenizes back)."""
+        if body.model is not None:
+            self._check_model(body.model)
+        try:
+            if any(i < 0 for i in body.tokens):
+                raise InvalidArgument("tokens: token ids must be >= 0")
+            return {"prompt": self.backend.detokenize_ids(body.tokens)}
+        except StrataError as e:
+            raise api_error(e, "tokens") from e
+
     # -- generation -----------------------------------------------------------------------------
     def _check_model(self, name: str) -> None:
         if name != self.model:
@@ -316,12 +369,15 @@ class OpenAIFront:
         rid = body.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
             internal = body.requests(rid)
+            # A conversation is rendered (and its tool grammar built) once for all its choices.
+            prepared = await self.backend.prepare(internal[0]) if chat else None
         except StrataError as e:
             raise api_error(e, prompt_field) from e
-        reply = _Reply(self, body, chat, ("chatcmpl-" if chat else "cmpl-") + rid)
-        choices = Choices(self.generate, internal)
+        reply = Reply(self.model, self.token_text, body, ("chatcmpl-" if chat else "cmpl-") + rid,
+                      self._chat_output(body, prepared), self.reasoning != "none")  # fmt: skip
+        choices = Choices(partial(self.backend.generate, prepared=prepared), internal)
         if not body.stream:
-            return await _unless_disconnected(request, reply.whole(choices, prompt_field))
+            return await _unless_disconnected(request, self._whole(reply, choices, prompt_field))
         events = reply.events(choices)
         try:  # errors before the first token (validation, routing) get a real HTTP status
             first = await events.__anext__()
@@ -337,14 +393,38 @@ class OpenAIFront:
                 async for event in events:
                     yield event
             except Exception as e:
-                yield _sse(api_error(e, prompt_field).body())
-                yield _sse("[DONE]")
+                yield sse(api_error(e, prompt_field).body())
+                yield sse("[DONE]")
             finally:
                 await choices.close()
 
         return StreamingResponse(
             stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
+
+    @staticmethod
+    async def _whole(reply: Reply, choices: Choices, prompt_field: str) -> Response:
+        try:
+            return JSONResponse(await reply.whole(choices))
+        except BaseException as e:
+            raise api_error(e, prompt_field) from e
+        finally:
+            await choices.close()
+
+    def _chat_output(
+        self, body: ChatCompletionRequest | CompletionRequest, prepared: Prepared | None
+    ) -> Callable[[], ChatOutput] | None:
+        """How each choice's answer is split, or None where it is all content (no reasoning
+        parser, no tools)."""
+        if not isinstance(body, ChatCompletionRequest) or prepared is None:
+            return None
+        tools = body.tool_calls_expected
+        if self.reasoning == "none" and not tools:
+            return None
+        return partial(
+            ChatOutput.for_request, self.reasoning, prepared.reasoning_open,
+            self.tool_format if tools else None, prepared.tool_schemas, body.parallel_tool_calls,
+        )  # fmt: skip
 
 
 class _BodyLimit:
@@ -365,140 +445,3 @@ class _BodyLimit:
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-class _Reply:
-    """Builds one body's response objects (whole or as SSE chunks)."""
-
-    def __init__(
-        self, front: OpenAIFront, body: ChatCompletionRequest | CompletionRequest, chat: bool, id_: str
-    ) -> None:
-        self.front, self.body, self.chat, self.id = front, body, chat, id_
-        self.created = int(time.time())
-        self.object = "chat.completion" if chat else "text_completion"
-
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.front.model}
-
-    def usage(self, lasts: dict[int, pb.GenerateResponse]) -> dict[str, Any]:
-        n = self.body.n
-        prompt = sum(r.usage.prompt_tokens for i, r in lasts.items() if i % n == 0)
-        cached = sum(r.usage.cached_tokens for i, r in lasts.items() if i % n == 0)
-        completion = sum(r.usage.completion_tokens for r in lasts.values())
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
-
-    def logprobs(self, lps: list[pb.TokenLogprob], offset: int = 0) -> dict[str, Any] | None:
-        if not lps:
-            return None
-        text = self.front.token_text
-        if self.chat:
-
-            def entry(token_id: int, lp: float) -> dict[str, Any]:
-                t = text(token_id)
-                return {"token": t, "logprob": lp, "bytes": list(t.encode())}
-
-            return {
-                "content": [
-                    {**entry(x.token_id, x.logprob), "top_logprobs": [entry(t.token_id, t.logprob) for t in x.top]}
-                    for x in lps
-                ]
-            }
-        tokens = [text(x.token_id) for x in lps]
-        offsets = []
-        for t in tokens:
-            offsets.append(offset)
-            offset += len(t)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [x.logprob for x in lps],
-            "top_logprobs": [_first_per_key((text(t.token_id), t.logprob) for t in x.top) for x in lps],
-            "text_offset": offsets,
-        }
-
-    @staticmethod
-    def _finish(resp: pb.GenerateResponse) -> str:
-        if resp.finish_reason == pb.FINISH_REASON_ERROR:
-            raise ApiError(500, f"generation failed: {resp.error or 'unknown error'}")
-        return FINISH[resp.finish_reason]
-
-    async def whole(self, choices: Choices, prompt_field: str) -> Response:
-        got: dict[int, _Choice] = {}
-        try:
-            async for index, resp in choices:
-                c = got.setdefault(index, _Choice())
-                c.text.append(resp.text)
-                c.logprobs += resp.logprobs
-                if resp.finish_reason:
-                    c.last = resp
-        except BaseException as e:
-            raise api_error(e, prompt_field) from e
-        finally:
-            await choices.close()
-        lasts = {i: c.last for i, c in got.items() if c.last is not None}
-        out = []
-        for i in sorted(got):
-            c = got[i]
-            assert c.last is not None
-            text = "".join(c.text)
-            item: dict[str, Any] = {
-                "index": i,
-                "logprobs": self.logprobs(c.logprobs),
-                "finish_reason": self._finish(c.last),
-            }
-            if self.chat:
-                item["message"] = {"role": "assistant", "content": text}
-            else:
-                item["text"] = text
-            out.append(item)
-        return JSONResponse({**self._head(self.object), "choices": out, "usage": self.usage(lasts)})
-
-    async def events(self, choices: Choices) -> AsyncIterator[bytes]:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        include_usage = self.body.stream_options is not None and self.body.stream_options.include_usage
-        started: set[int] = set()
-        offsets: dict[int, int] = {}
-        lasts: dict[int, pb.GenerateResponse] = {}
-        # The chunk of a token in mid-stream (no logprobs, no finish, not the first) is the same
-        # JSON but for its index and text: formatted from a prefix made once.
-        head = json.dumps(self._head(obj), separators=(",", ":"))[:-1].replace("%", "%%")  # ids may hold %
-        field = '"delta":{"content":%s}' if self.chat else '"text":%s'
-        tail = ',"usage":null}' if include_usage else "}"
-        plain = head + ',"choices":[{"index":%d,"logprobs":null,"finish_reason":null,' + field + "}]" + tail
-        async for index, resp in choices:
-            finish = self._finish(resp) if resp.finish_reason else None
-            if finish is not None:
-                lasts[index] = resp
-            # One chunk per sampled token (or per batch of tokens that arrived together), even when
-            # it adds no text yet (half a UTF-8 character, held-back stop-string text): clients
-            # count chunks as tokens and time the first one as TTFT.
-            if not (resp.token_ids or resp.text or finish or (self.chat and index not in started)):
-                continue
-            if finish is None and not resp.logprobs and index in started:
-                yield b"data: " + (plain % (index, json.dumps(resp.text))).encode() + b"\n\n"
-                continue
-            choice: dict[str, Any] = {
-                "index": index,
-                "logprobs": self.logprobs(list(resp.logprobs), offsets.get(index, 0)),
-                "finish_reason": finish,
-            }
-            offsets[index] = offsets.get(index, 0) + sum(len(self.front.token_text(x.token_id)) for x in resp.logprobs)
-            if self.chat:
-                delta: dict[str, Any] = {"content": resp.text}
-                if index not in started:
-                    delta["role"] = "assistant"
-                choice["delta"] = delta
-            else:
-                choice["text"] = resp.text
-            started.add(index)
-            chunk = {**self._head(obj), "choices": [choice]}
-            if include_usage:
-                chunk["usage"] = None
-            yield _sse(chunk)
-        if include_usage:
-            yield _sse({**self._head(obj), "choices": [], "usage": self.usage(lasts)})
-        yield _sse("[DONE]")

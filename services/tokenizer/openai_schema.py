@@ -52,10 +52,51 @@ class ContentPart(_Body):
     text: str = ""
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any] = ""  # a JSON object as text (OpenAI); an object is accepted too
+
+    def text(self) -> str:
+        return self.arguments if isinstance(self.arguments, str) else json.dumps(self.arguments, ensure_ascii=False)
+
+
+class MessageToolCall(_Body):
+    """A call an assistant message made, sent back in the conversation."""
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of an object
+    strict: bool | None = None  # arguments always follow the schema under a tool-call grammar
+
+
+class ToolDef(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(_Body):
     role: _Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    reasoning_content: str | None = None  # assistant (as this server returns it)
+    reasoning: str | None = None  # the same, as newer peers name it
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -163,6 +204,27 @@ class _Sampling(_Body):
         return out
 
 
+def chat_messages(
+    messages: list[ChatMessage], tools: list[ToolDef] | None, template_kwargs: dict[str, Any] | None
+) -> pb.ChatMessages:
+    """A conversation as ``strata.v1.ChatMessages`` (the tokenizer service validates the rest)."""
+    out = pb.ChatMessages()
+    for i, m in enumerate(messages):
+        msg = out.messages.add(role="system" if m.role == "developer" else m.role, content=m.text(i))
+        for c in m.tool_calls or ():
+            msg.tool_calls.add(id=c.id, name=c.function.name, arguments=c.function.text())
+        msg.tool_call_id = m.tool_call_id or ""
+        msg.name = m.name or ""
+        msg.reasoning_content = m.reasoning_content or m.reasoning or ""
+    for t in tools or ():
+        f = t.function
+        params = json.dumps(f.parameters, ensure_ascii=False) if f.parameters is not None else ""
+        out.tools.add(name=f.name, description=f.description or "", parameters=params)
+    if template_kwargs:
+        out.chat_template_kwargs = json.dumps(template_kwargs, ensure_ascii=False)
+    return out
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -170,15 +232,32 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _chat_rules(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise ValueError("tools: tool calling is not supported")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+        if forced and not self.tools:
+            raise ValueError("tool_choice: 'required' or a named function needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if name not in {t.function.name for t in self.tools or ()}:
+                raise ValueError(f"tool_choice: function {name!r} is not one of the tools")
+        fmt = self.response_format
+        if forced and (self.regex is not None or self.ebnf is not None or (fmt is not None and fmt.type != "text")):
+            raise ValueError("tool_choice: 'required' or a named function cannot be combined with "
+                             "response_format, regex or ebnf (one grammar per request)")  # fmt: skip
         return self
+
+    @property
+    def tool_calls_expected(self) -> bool:
+        """Whether the answer is parsed for tool calls (tools given and tool_choice not none)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def requests(self, request_id: str) -> list[pb.GenerateRequest]:
         req = pb.GenerateRequest(
@@ -188,9 +267,13 @@ class ChatCompletionRequest(_Sampling):
             top_logprobs=self.top_logprobs or 0,
             stream=True,
         )
-        for i, m in enumerate(self.messages):
-            req.messages.messages.add(role="system" if m.role == "developer" else m.role, content=m.text(i))
-        self.constrain(req, self.response_format)
+        req.messages.CopyFrom(chat_messages(self.messages, self.tools, self.chat_template_kwargs))
+        if isinstance(self.tool_choice, NamedToolChoice):
+            req.tool_calls.CopyFrom(pb.ToolCallConstraint(name=self.tool_choice.function.name))
+        elif self.tool_choice == "required" and self.tools:
+            req.tool_calls.CopyFrom(pb.ToolCallConstraint(parallel=self.parallel_tool_calls))
+        else:
+            self.constrain(req, self.response_format)
         return self.fan_out([req], request_id)
 
 
@@ -244,8 +327,41 @@ class CompletionRequest(_Sampling):
         return self.fan_out(base, request_id)
 
 
+class TokenizeRequest(_Body):
+    """vLLM's ``/tokenize``: a ``prompt`` (text) or ``messages`` (rendered by the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+    tools: list[ToolDef] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give either prompt or messages")
+        explicit = "add_generation_prompt" in self.model_fields_set
+        if self.continue_final_message and self.add_generation_prompt and explicit:
+            raise ValueError("continue_final_message: cannot be combined with add_generation_prompt")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's ``/detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 # Internal field paths (as validation names them) -> the parameter a client of this API sent.
 PARAM_NAMES: dict[str, str] = {
+    "input.messages.tools": "tools",
+    "input.messages.chat_template_kwargs": "chat_template_kwargs",
+    "constraint.tool_calls": "tool_choice",
     "sampling.max_new_tokens": "max_tokens",
     "sampling.stop_token_ids": "stop_token_ids",
     "sampling.stop": "stop",

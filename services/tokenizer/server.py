@@ -21,14 +21,18 @@ from services.common.discovery import ModelRegistry, Registration, ServiceRecord
 from services.common.errors import AlreadyExists, InvalidArgument, StrataError
 from services.common.metrics import LENGTH_BUCKETS, REQUEST_BUCKETS_S, MetricFactory, serve_metrics
 from services.common.server import Server, run_service, settle_heap
+from services.tokenizer.chat import Prepared, chat_inputs, render
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.http_server import HttpServer
 from services.tokenizer.kv_index import Choice
 from services.tokenizer.model_files import ModelCard, load_tokenizer, read_card
 from services.tokenizer.openai_api import OpenAIFront
+from services.tokenizer.reasoning import ReasoningFormat, prompt_closes_reasoning, prompt_opens_reasoning
 from services.tokenizer.router import Router, Ticket
 from services.tokenizer.session import Chunk, Inbox
+from services.tokenizer.tool_grammar import ReasoningPrefix, tool_call_grammar
+from services.tokenizer.tool_parsers import ToolFormat
 from strata.scheduler.v1 import scheduler_pb2 as spb
 from strata.v1 import strata_pb2 as pb
 from strata.v1 import strata_pb2_grpc as pgrpc
@@ -36,7 +40,6 @@ from strata.v1 import strata_pb2_grpc as pgrpc
 log = logging.getLogger(__name__)
 _tracer = telemetry.get_tracer(__name__)
 
-ROLES = frozenset({"system", "user", "assistant", "tool"})
 PUBLIC_MAX_BYTES = 32 << 20  # one request on the public port (as the HTTP body limit)
 TOKENIZE_THREADS = 2  # encodes run here, off the event loop; more wait in the pool's queue
 T = TypeVar("T")
@@ -115,8 +118,14 @@ class StrataServicer(pgrpc.StrataServicer):
         router: Router,
         fingerprint: str = "",
         metrics: TokenizerMetrics | None = None,
+        tool_format: ToolFormat = "hermes",
+        reasoning: ReasoningFormat = "none",
     ) -> None:
+        """``tool_format``, ``reasoning``: the model's formats (``--tool-call-parser``,
+        ``--reasoning-parser``), which tool-call grammars follow."""
         self.metrics = metrics
+        self.tool_format: ToolFormat = tool_format
+        self.reasoning: ReasoningFormat = reasoning
         self.tok = tokenizer
         self.card = card
         self.router = router
@@ -139,39 +148,52 @@ class StrataServicer(pgrpc.StrataServicer):
         requests, the etcd lease) while it is encoded."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
 
-    async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+    async def prepare(self, request: pb.GenerateRequest) -> Prepared:
+        """Validate and tokenize the request's input (a conversation rendered by the chat template,
+        with its tools) and turn its constraint into what the scheduler compiles (a tool-call
+        constraint becomes the EBNF of the calls)."""
         kind = request.WhichOneof("input")
         tok = self.tok
+        chat = None
+        text = ""
         if kind == "text":
             if not request.text:
                 raise InvalidArgument("input.text: must not be empty")
             validation.check_text("input.text", len(request.text), self.limits)
             text = request.text
-            ids = await self._off_loop(lambda: list(tok.encode(text, add_special_tokens=False)))  # type: ignore[attr-defined]
         elif kind == "messages":
-            msgs = request.messages.messages
-            if not msgs:
-                raise InvalidArgument("input.messages: at least one message is required")
-            validation.check_text("input.messages", sum(len(m.content) for m in msgs), self.limits)
-            for i, m in enumerate(msgs):
-                if m.role not in ROLES:
-                    raise InvalidArgument(
-                        f"input.messages[{i}].role: unknown role {m.role!r}; "
-                        f"use one of {', '.join(sorted(ROLES))}"
-                    )
-            conv = [{"role": m.role, "content": m.content} for m in msgs]
-            out = await self._off_loop(
-                lambda: tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)  # type: ignore[attr-defined]
-            )
-            ids = list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
-        elif kind == "input_ids":
+            chat = chat_inputs(request.messages)
+            validation.check_text("input.messages", chat.chars, self.limits)
+            text = await self._off_loop(lambda: render(tok, chat))
+        elif kind != "input_ids":
+            raise InvalidArgument("input: one of text, messages or input_ids is required")
+        if kind == "input_ids":
             ids = list(request.input_ids.ids)
         else:
-            raise InvalidArgument("input: one of text, messages or input_ids is required")
+            ids = await self._off_loop(lambda: list(tok.encode(text, add_special_tokens=False)))  # type: ignore[attr-defined]
         validation.check_ids(
             f"input.{kind}" if kind != "input_ids" else "input.input_ids.ids", ids, self.limits
         )
-        return ids
+        thinking = self.reasoning != "none" and chat is not None
+        reasoning_open = thinking and prompt_opens_reasoning(text)
+        constraint: tuple[str, str] | None = None
+        ckind = request.WhichOneof("constraint")
+        if ckind == "tool_calls":
+            if chat is None or not chat.specs:
+                raise InvalidArgument("constraint.tool_calls: needs a conversation (messages) with tools")
+            prefix: ReasoningPrefix = "none"
+            if thinking and not prompt_closes_reasoning(text):
+                prefix = "open" if reasoning_open else "optional"
+            tc, specs = request.tool_calls, chat.specs
+            grammar = await self._off_loop(
+                lambda: tool_call_grammar(specs, self.tool_format, tc.name, tc.parallel, prefix)
+            )
+            constraint = ("ebnf", grammar)
+        elif ckind:
+            constraint = (ckind, getattr(request, ckind))
+        if constraint is not None:
+            validation.check_grammar(f"constraint.{ckind}", constraint[1])
+        return Prepared(ids, constraint, reasoning_open, chat.schemas if chat is not None else {})
 
     # -- RPCs -----------------------------------------------------------------------------------
     async def Generate(
@@ -181,17 +203,18 @@ class StrataServicer(pgrpc.StrataServicer):
             yield resp
 
     async def generate(
-        self, request: pb.GenerateRequest, timeout_s: float | None = None
+        self, request: pb.GenerateRequest, timeout_s: float | None = None, prepared: Prepared | None = None
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The one path of every generation request, gRPC and HTTP: validate, tokenize, route,
-        detokenize. Raises ``StrataError`` subclasses (a scheduler's status as ``Relay``)."""
+        detokenize. ``prepared``: the request's ``prepare`` already done (the HTTP front prepares
+        a body once for all its choices). Raises ``StrataError`` subclasses (a scheduler's status
+        as ``Relay``)."""
         rid = request.request_id or uuid.uuid4().hex
         validation.check_request_id(rid)
         validation.check_cache_salt(request.cache_salt)
-        constraint = request.WhichOneof("constraint")
-        if constraint:
-            validation.check_grammar(constraint, getattr(request, constraint))
-        ids = await self._prompt_ids(request)
+        if prepared is None:
+            prepared = await self.prepare(request)
+        ids = prepared.ids
         gen = validation.generation(
             request.sampling, len(ids), self.limits, request.return_logprobs, request.top_logprobs
         )
@@ -203,9 +226,8 @@ class StrataServicer(pgrpc.StrataServicer):
             return_logprobs=request.return_logprobs,
             top_logprobs=request.top_logprobs,
         )
-        kind = request.WhichOneof("constraint")
-        if kind:
-            setattr(sreq.constraint, kind, getattr(request, kind))
+        if prepared.constraint is not None:
+            setattr(sreq.constraint, *prepared.constraint)
         if rid in self._running:  # checked and claimed with no await between: the id is ours
             raise AlreadyExists(f"request_id: {rid!r} is already running")
         self._running[rid] = ""
@@ -324,6 +346,32 @@ class StrataServicer(pgrpc.StrataServicer):
             ticket.first_token()
             return inbox, first, ticket
 
+    # -- the HTTP front's tokenizer routes (/tokenize, /detokenize) ------------------------------
+    async def tokenize_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        validation.check_text("input.text", len(text), self.limits)
+        tok = self.tok
+        return await self._off_loop(lambda: list(tok.encode(text, add_special_tokens=add_special_tokens)))  # type: ignore[attr-defined]
+
+    async def tokenize_chat(
+        self, chat: pb.ChatMessages, add_generation_prompt: bool, continue_final: bool, add_special_tokens: bool
+    ) -> list[int]:
+        """A conversation's ids as ``prepare`` renders it, with vLLM's /tokenize options."""
+        inputs = chat_inputs(chat)
+        validation.check_text("input.messages", inputs.chars, self.limits)
+        tok = self.tok
+        text = await self._off_loop(lambda: render(tok, inputs, add_generation_prompt, continue_final))
+        return await self._off_loop(lambda: list(tok.encode(text, add_special_tokens=add_special_tokens)))  # type: ignore[attr-defined]
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        return list(self.tok.convert_ids_to_tokens(ids))  # type: ignore[attr-defined]
+
+    def detokenize_ids(self, ids: list[int]) -> str:
+        """The text of ``ids``, special tokens included."""
+        bad = [i for i in ids if i >= self.limits.vocab_size]
+        if bad:
+            raise InvalidArgument(f"tokens: {bad[0]} is out of range; ids must be below {self.limits.vocab_size}")
+        return str(self.tok.decode(ids, skip_special_tokens=False))  # type: ignore[attr-defined]
+
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
@@ -391,7 +439,9 @@ async def serve(cfg: TokenizerConfig, stop: asyncio.Event) -> None:
     registry = CollectorRegistry()
     metrics = TokenizerMetrics(registry, card.name)
     metrics.index_pages.set_function(lambda: router.index.pages)
-    servicer = StrataServicer(tok, card, router, fingerprint, metrics)
+    servicer = StrataServicer(
+        tok, card, router, fingerprint, metrics, tool_format=cfg.tool_call_parser, reasoning=cfg.reasoning_parser
+    )
     server.add(pgrpc.add_StrataServicer_to_server, servicer, "strata.v1.Strata")
     port = await server.start(f"{cfg.host}:{cfg.port}")
     address = advertised_address(cfg.host, port, cfg.advertise_host)
@@ -399,8 +449,9 @@ async def serve(cfg: TokenizerConfig, stop: asyncio.Event) -> None:
     ready_line = f"READY tokenizer {address}{serve_metrics(cfg.metrics_port, cfg.host, registry)}"
     if cfg.http_port:
         front = OpenAIFront(
-            servicer.generate, servicer.decode, card.name, card.context_length, keys, registry, router.ready
-        )
+            servicer, card.name, card.context_length, keys, registry, router.ready,
+            cfg.tool_call_parser, cfg.reasoning_parser,
+        )  # fmt: skip
         http = HttpServer(front.app(), cfg.host, max(cfg.http_port, 0), cfg.tls_cert, cfg.tls_key)
         await http.start()
         ready_line += f" {'https' if cfg.tls_cert else 'http'}={cfg.host}:{http.port}"

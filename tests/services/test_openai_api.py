@@ -13,9 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,54 +28,27 @@ from strata.scheduler.v1 import scheduler_pb2_grpc as sgrpc
 from strata.v1 import strata_pb2 as pb
 from strata.v1 import strata_pb2_grpc as pgrpc
 from tests.engine.test_structured import SCHEMA
+from tests.openai_stack import KEY, MODEL
+from tests.openai_stack import http as _http
 from tests.reference import hf_greedy, hf_tokenizer
 
-KEY = "sk-test-strata"
-MODEL = "qwen3-tiny"
 LONG = " ".join(f"page {i} of the shared system prompt keeps its cache warm." for i in range(40))
 
 
+# The stack is the package's (tests/openai_stack.py), shared with test_openai_tools.py.
 @pytest.fixture(scope="module")
-def stack(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    run_dir = tmp_path_factory.mktemp("openai")
-    s = start_stack(
-        tiny_qwen3,
-        free_port(),
-        run_dir,
-        http_port=free_port(),
-        tokenizer_args=("--api-key", f"other-key,{KEY}", "--model-name", MODEL),
-        say=lambda _: None,
-    )
-    yield s
-    s.stop()
+def stack(openai_stack: Stack) -> Stack:
+    return openai_stack
 
 
 @pytest.fixture(scope="module")
-def base(stack: Stack) -> str:
-    return f"http://{stack.child('tokenizer').extra['http']}"
+def base(openai_base: str) -> str:
+    return openai_base
 
 
 @pytest.fixture(scope="module")
-def client(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
-
-
-def _http(url: str, body: dict[str, Any] | bytes | None = None, key: str | None = KEY) -> tuple[int, Any]:
-    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET")
-    req.add_header("content-type", "application/json")
-    if key is not None:
-        req.add_header("authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            raw = r.read()
-            status = r.status
-    except urllib.error.HTTPError as e:
-        raw, status = e.read(), e.code
-    try:
-        return status, json.loads(raw)
-    except json.JSONDecodeError:
-        return status, raw.decode()
+def client(openai_client: openai.OpenAI) -> openai.OpenAI:
+    return openai_client
 
 
 def _load(stack: Stack) -> spb.Load:
@@ -240,7 +210,7 @@ COMPLETION = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
         ("chat", {"regex": "("}, "regex"),
         ("chat", {"ebnf": "root ::= missing"}, "ebnf"),
         ("chat", {"logit_bias": {"1": 5}}, "logit_bias"),
-        ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("chat", {"tools": [{"type": "retrieval"}]}, "tools"),
         ("chat", {"stream_options": {"include_usage": True}}, "stream_options"),
         ("chat", {"cache_salt": "s" * 300}, "cache_salt"),
         ("chat", {"model": None}, "model"),

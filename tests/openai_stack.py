@@ -1,0 +1,73 @@
+"""One stack serving the OpenAI-compatible API, shared by the HTTP API's test modules
+(``tests/services/test_openai_api.py``, ``test_openai_tools.py``): starting a stack costs seconds.
+
+Package-scoped (imported by ``tests/services/conftest.py``): it starts with the first test that
+needs it and stops when the package's tests are done. Its tokenizer runs with API keys, a served
+model name, ``--tool-call-parser hermes`` and ``--reasoning-parser qwen3``; tests that need a
+stack of their own configuration start one.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from services.common.etcd_proc import free_port
+from services.supervisor import Stack, start_stack
+
+KEY = "sk-test-strata"
+MODEL = "qwen3-tiny"
+
+
+@pytest.fixture(scope="package")
+def openai_stack(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    run_dir = tmp_path_factory.mktemp("openai")
+    s = start_stack(
+        tiny_qwen3,
+        free_port(),
+        run_dir,
+        http_port=free_port(),
+        tokenizer_args=(
+            "--api-key", f"other-key,{KEY}", "--model-name", MODEL,
+            "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+        ),
+        say=lambda _: None,
+    )  # fmt: skip
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="package")
+def openai_base(openai_stack: Stack) -> str:
+    return f"http://{openai_stack.child('tokenizer').extra['http']}"
+
+
+@pytest.fixture(scope="package")
+def openai_client(openai_base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{openai_base}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def http(url: str, body: dict[str, Any] | bytes | None = None, key: str | None = KEY) -> tuple[int, Any]:
+    """POST ``body`` (GET without one); the status and the decoded JSON (or text) answer."""
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET")
+    req.add_header("content-type", "application/json")
+    if key is not None:
+        req.add_header("authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            raw = r.read()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        raw, status = e.read(), e.code
+    try:
+        return status, json.loads(raw)
+    except json.JSONDecodeError:
+        return status, raw.decode()
