@@ -1,10 +1,10 @@
 """One stack serving the OpenAI-compatible API, shared by the HTTP API's test modules
 (``tests/services/test_openai_api.py``, ``test_openai_tools.py``): starting a stack costs seconds.
 
-Package-scoped (imported by ``tests/services/conftest.py``): it starts with the first test that
-needs it and stops when the package's tests are done. Its tokenizer runs with API keys, a served
-model name, ``--tool-call-parser hermes`` and ``--reasoning-parser qwen3``; tests that need a
-stack of their own configuration start one.
+It starts with the first module that asks for ``openai_stack`` and stops with the last one in the
+run that does (so it does not idle through the modules after it). Its tokenizer runs with API
+keys, a served model name, ``--tool-call-parser hermes`` and ``--reasoning-parser qwen3``; tests
+that need a stack of their own configuration start one.
 """
 
 from __future__ import annotations
@@ -26,30 +26,48 @@ KEY = "sk-test-strata"
 MODEL = "qwen3-tiny"
 
 
-@pytest.fixture(scope="package")
-def openai_stack(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    run_dir = tmp_path_factory.mktemp("openai")
-    s = start_stack(
-        tiny_qwen3,
-        free_port(),
-        run_dir,
-        http_port=free_port(),
-        tokenizer_args=(
-            "--api-key", f"other-key,{KEY}", "--model-name", MODEL,
-            "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
-        ),
-        say=lambda _: None,
-    )  # fmt: skip
-    yield s
-    s.stop()
+class _Shared:
+    stack: Stack | None = None
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
+def _openai_shared() -> Iterator[_Shared]:
+    shared = _Shared()
+    yield shared
+    if shared.stack is not None:  # the run stopped early (-x, ^C)
+        shared.stack.stop()
+
+
+@pytest.fixture(scope="module")
+def openai_stack(
+    request: pytest.FixtureRequest, tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory, _openai_shared: _Shared
+) -> Iterator[Stack]:
+    if _openai_shared.stack is None:
+        _openai_shared.stack = start_stack(
+            tiny_qwen3,
+            free_port(),
+            tmp_path_factory.mktemp("openai"),
+            http_port=free_port(),
+            tokenizer_args=(
+                "--api-key", f"other-key,{KEY}", "--model-name", MODEL,
+                "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+            ),
+            say=lambda _: None,
+        )  # fmt: skip
+    yield _openai_shared.stack
+    items = request.session.items
+    last = max(i for i, item in enumerate(items) if getattr(item, "module", None) is request.module)
+    if not any("openai_stack" in getattr(item, "fixturenames", ()) for item in items[last + 1 :]):
+        _openai_shared.stack.stop()
+        _openai_shared.stack = None
+
+
+@pytest.fixture(scope="module")
 def openai_base(openai_stack: Stack) -> str:
     return f"http://{openai_stack.child('tokenizer').extra['http']}"
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def openai_client(openai_base: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{openai_base}/v1", api_key=KEY, max_retries=0, timeout=120)
 

@@ -35,7 +35,7 @@ from tests.reference import hf_greedy, hf_tokenizer
 LONG = " ".join(f"page {i} of the shared system prompt keeps its cache warm." for i in range(40))
 
 
-# The stack is the package's (tests/openai_stack.py), shared with test_openai_tools.py.
+# The stack is tests/openai_stack.py's, shared with test_openai_tools.py.
 @pytest.fixture(scope="module")
 def stack(openai_stack: Stack) -> Stack:
     return openai_stack

@@ -5,7 +5,8 @@ tool parameter answered 400 naming it.
 
 A random-weight model writes no tool call of its own accord, so where the answer's shape must be
 guaranteed the tests use a grammar: ``tool_choice`` required (whose grammar is under test) or a
-``regex``. The stack is the package's (``tests/openai_stack.py``: hermes calls, qwen3 reasoning).
+``regex``. The stack is shared with test_openai_api.py (``tests/openai_stack.py``: hermes calls,
+qwen3 reasoning).
 """
 
 from __future__ import annotations
