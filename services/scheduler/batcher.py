@@ -211,8 +211,10 @@ class Batcher:
             self.waiting.popleft()
             req.sent_history = False
             if req.first_admission:
-                req.cached_tokens = matched
-                self.cached_tokens += matched
+                # A resumed request (output so far given at submission) may match into its output:
+                # only prompt tokens count as cached.
+                req.cached_tokens = min(matched, len(req.prompt))
+                self.cached_tokens += req.cached_tokens
                 self.prompt_tokens += len(req.prompt)
                 if self.on_queue_wait is not None:
                     self.on_queue_wait(time.monotonic() - req.arrived)
@@ -280,7 +282,10 @@ class Batcher:
                     ri.token_bitmask = req.grammar.bitmask()
             req.inflight += 1
         if not req.sent_history and req.gen.sampling.has_penalties:
-            ri.history_ids = req.tokens(0, start)
+            # Every known token, this input's included (the worker adds only what it samples), so
+            # the history is the same on a row's first step whatever was cached, chunked, retracted
+            # or resumed: prompt + output so far.
+            ri.history_ids = req.tokens(0, known)
         req.sent_history = True
         req.row_dirty = False
         req.planned_len = start + n

@@ -118,7 +118,14 @@ class SchedulerLoop:
         if cfg.elastic_budget_bytes:
             ecfg = ElasticConfig(cfg.elastic_budget_bytes, cfg.elastic_min_kv_slots, idle_s=cfg.elastic_idle_s)
             batcher.elastic = ElasticControl(ecfg, info, mem, self.ledger)
-        for req in self._orphans:
+        for req in self._orphans:  # requeued when the last worker was lost: they resume here
+            if req.finished is not None:
+                continue
+            if (problem := self._too_large(req, info, batcher)) is not None:
+                req.finished = Finish.ERROR
+                req.emit(FailEvent(Unavailable(f"the worker was lost and the one that connected cannot hold "
+                                               f"the request: {problem}")))
+                continue
             batcher.waiting.append(req)
         self._orphans = []
         self.link, self.batcher = link, batcher
@@ -167,18 +174,25 @@ class SchedulerLoop:
         return Limits(info.vocab_size, info.context_length)
 
     # -- requests -------------------------------------------------------------------------------
+    @staticmethod
+    def _too_large(req: Req, info: WorkerInfo, batcher: Batcher) -> str | None:
+        """Why no wait would help ``req`` on this worker (its pool is too small), or None."""
+        need = len(req.prompt) + req.gen.max_new_tokens - 1
+        pool = info.max_slots if batcher.elastic is not None else info.num_slots
+        if need <= pool:
+            return None
+        field = "input" if len(req.prompt) > pool else "sampling.max_new_tokens"
+        return (
+            f"{field}: the request needs up to {need} KV slots (prompt {len(req.prompt)} + "
+            f"max_new_tokens {req.gen.max_new_tokens}) but the worker's pool has {pool}"
+        )
+
     def submit(self, req: Req) -> None:
         info = self.info
         if info is None or self.batcher is None:
             raise Unavailable("no worker connected")
-        need = len(req.prompt) + req.gen.max_new_tokens - 1
-        pool = info.max_slots if self.batcher.elastic is not None else info.num_slots
-        if need > pool:  # no wait would help: the request is too large for this worker
-            field = "input" if len(req.prompt) > pool else "sampling.max_new_tokens"
-            raise InvalidArgument(
-                f"{field}: the request needs up to {need} KV slots (prompt {len(req.prompt)} + "
-                f"max_new_tokens {req.gen.max_new_tokens}) but the worker's pool has {pool}"
-            )
+        if (problem := self._too_large(req, info, self.batcher)) is not None:
+            raise InvalidArgument(problem)
         if self.cfg.max_waiting and len(self.batcher.waiting) >= self.cfg.max_waiting:
             if self.metrics is not None:
                 self.metrics.shed.inc()

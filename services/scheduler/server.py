@@ -84,13 +84,18 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
         gen = validation.generation(
             request.sampling, len(ids), limits, request.return_logprobs, request.top_logprobs
         )
+        output = list(request.output_ids)
+        if output:
+            _check_resumed("output_ids", output, gen.max_new_tokens, limits)
         matcher = await self._matcher(request.constraint)
+        if matcher is not None:
+            _replay(matcher, output)
         rid = request.request_id or uuid.uuid4().hex
         validation.check_request_id(rid)
         if rid in self.loop.requests:
             raise AlreadyExists(f"request_id: {rid!r} is already running")
         seed = gen.seed if gen.seed is not None else secrets.randbits(63)
-        req = Req(rid, ids, gen, seed, request.cache_salt, trace_context=trace_context, grammar=matcher)
+        req = Req(rid, ids, gen, seed, request.cache_salt, trace_context=trace_context, grammar=matcher, output=output)
         if self.l3 is not None:
             info = self.loop.info
             assert info is not None
@@ -247,6 +252,26 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
             load.used_slots, load.total_slots, load.evictable_slots = u.used_by_requests, u.size, u.evictable
             load.cached_tokens = b.cached_tokens
         return load
+
+
+def _check_resumed(name: str, output: list[int], max_new_tokens: int, limits: validation.Limits) -> None:
+    """A resumed request's output so far: ids in the vocabulary, fewer than ``max_new_tokens``
+    (a request that had them all would have finished where it ran)."""
+    validation.check_ids(name, output, limits)
+    if len(output) >= max_new_tokens:
+        raise InvalidArgument(
+            f"{name}: {len(output)} tokens already generated leave nothing to generate "
+            f"(sampling.max_new_tokens {max_new_tokens})"
+        )
+
+
+def _replay(matcher: Matcher, output: list[int]) -> None:
+    """Advance a resumed request's grammar past the tokens it already streamed."""
+    for i, tok in enumerate(output):
+        if matcher.is_terminated() or not matcher.accept(tok):
+            raise InvalidArgument(f"output_ids[{i}]: token {tok} does not continue the request's grammar")
+    if matcher.is_terminated():
+        raise InvalidArgument("output_ids: the grammar already ended; there is nothing to generate")
 
 
 def _final(rid: str, ev: FinishEvent) -> spb.GenerateResponse:
