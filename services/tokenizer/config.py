@@ -29,6 +29,10 @@ class TokenizerConfig:
     etcd: str = field(default="", metadata=_h("etcd endpoint host:port; empty = use --scheduler"))
     scheduler: str = field(default="", metadata=_h("a fixed scheduler address instead of discovery"))
     scheduler_wait_s: float = field(default=5.0, metadata=_h("how long a request waits for a scheduler to register"))
+    resume_wait_s: float = field(default=10.0, metadata=_h(
+        "how long a request whose scheduler was lost (mid-stream or before it answered) waits for another, or "
+        "the restarted one, to take it (then UNAVAILABLE); covers a `strata up --restart on-failure` restart"
+    ))
     router_policy: Literal["kv", "round_robin", "least_load"] = field(default="kv", metadata=_h(
         "which discovered scheduler serves a request: kv (most of the prompt cached, weighed against "
         "load), least_load, round_robin"
@@ -56,6 +60,8 @@ class TokenizerConfig:
             raise ConfigError("model: a Hugging Face model directory is required")
         if not self.etcd and not self.scheduler:
             raise ConfigError("etcd or scheduler: one is needed to find a scheduler")
+        if self.resume_wait_s < 0:
+            raise ConfigError(f"resume_wait_s: must be >= 0, got {self.resume_wait_s}")
         if self.router_load_weight < 0:
             raise ConfigError(f"router_load_weight: must be >= 0, got {self.router_load_weight}")
         if not -1 <= self.http_port <= 65535:

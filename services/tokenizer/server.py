@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 _tracer = telemetry.get_tracer(__name__)
 
 PUBLIC_MAX_BYTES = 32 << 20  # one request on the public port (as the HTTP body limit)
+RESUBMIT_S = 0.2  # pause before submitting again after a scheduler was lost (it may be restarting)
 TOKENIZE_THREADS = 2  # encodes run here, off the event loop; more wait in the pool's queue
 T = TypeVar("T")
 
@@ -77,6 +79,9 @@ class TokenizerMetrics:
         self.routed_cached = m.counter("routed_cached_tokens", "Their prompt tokens the replica served from cache.", R)
         self.routed_predicted = m.counter(
             "routed_predicted_cached_tokens", "Their prompt tokens the router expected the replica to hold.", R
+        )
+        self.resumed = m.counter(
+            "resumed_requests", "Requests that went on on another (or a restarted) scheduler after theirs was lost.", M
         )
         self.index_pages = m.gauge("router_index_pages", "Page keys in the router's cache index (every replica).")
         self.model = model
@@ -118,6 +123,7 @@ class StrataServicer(pgrpc.StrataServicer):
         router: Router,
         fingerprint: str = "",
         metrics: TokenizerMetrics | None = None,
+        resume_wait_s: float = 10.0,
         tool_format: ToolFormat = "hermes",
         reasoning: ReasoningFormat = "none",
     ) -> None:
@@ -126,6 +132,7 @@ class StrataServicer(pgrpc.StrataServicer):
         self.metrics = metrics
         self.tool_format: ToolFormat = tool_format
         self.reasoning: ReasoningFormat = reasoning
+        self.resume_wait_s = resume_wait_s  # a request whose scheduler was lost waits this long for another
         self.tok = tokenizer
         self.card = card
         self.router = router
@@ -226,6 +233,8 @@ class StrataServicer(pgrpc.StrataServicer):
             return_logprobs=request.return_logprobs,
             top_logprobs=request.top_logprobs,
         )
+        if not sreq.sampling.HasField("seed"):  # ours, so that a resumed stream draws as this one would
+            sreq.sampling.seed = secrets.randbits(63)
         if prepared.constraint is not None:
             setattr(sreq.constraint, *prepared.constraint)
         if rid in self._running:  # checked and claimed with no await between: the id is ours
@@ -235,7 +244,7 @@ class StrataServicer(pgrpc.StrataServicer):
         all_ids: list[int] = []
         all_text: list[str] = []
         all_lps: list[pb.TokenLogprob] = []
-        completion = 0
+        streamed: list[int] = []  # every output token so far: what a resumed request continues from
         # Our own CLIENT span, ended below whatever way the stream ends (an interceptor's span stays
         # open when the tokenizer stops reading early, and the scheduler's span loses its parent).
         span = _tracer.start_span(
@@ -248,8 +257,11 @@ class StrataServicer(pgrpc.StrataServicer):
         ticket: Ticket | None = None
         t0, first = time.perf_counter(), None
         previous = t0
+        tried: set[str] = set()  # schedulers that answered UNAVAILABLE (no worker) for this request
+        cached: int | None = None  # cached prompt tokens where the request started (once resumed)
+        progressed = False  # tokens came from the current scheduler (a lost one is then resumed from them)
         try:
-            inbox, chunk, ticket = await self._open(rid, sreq, trace_context, timeout_s)
+            inbox, chunk, ticket = await self._open(rid, sreq, trace_context, timeout_s, tried)
             span.set_attribute("strata.replica", ticket.choice.address)
             span.set_attribute("strata.predicted_cached_tokens", ticket.choice.overlap_tokens)
             while True:
@@ -258,6 +270,8 @@ class StrataServicer(pgrpc.StrataServicer):
                 failure = end if end is not None and end.status_code else None
                 if failure is not None:
                     end = None  # its tokens (sampled before it failed) still go out first
+                progressed = progressed or bool(chunk.token_ids)
+                resume = failure is not None and self._resumable(chunk, failure, ticket, tried, progressed)
                 if chunk.token_ids:
                     now = time.perf_counter()
                     if first is not None and self.metrics is not None:
@@ -267,29 +281,32 @@ class StrataServicer(pgrpc.StrataServicer):
                     final.token_ids.extend(chunk.token_ids)
                     final.logprobs.extend(chunk.logprobs)
                     final.text = out.text
-                    completion += len(chunk.token_ids)
+                    streamed += chunk.token_ids
                     if out.stopped:  # a stop string: end here; closing the inbox frees the scheduler's slots
                         final.finish_reason = pb.FINISH_REASON_STOP
                         final.usage.CopyFrom(
                             pb.Usage(
                                 prompt_tokens=len(ids),
-                                completion_tokens=completion,
-                                cached_tokens=inbox.cached_tokens,
+                                completion_tokens=len(streamed),
+                                cached_tokens=inbox.cached_tokens if cached is None else cached,
                             )
                         )
                 if end is not None and not detok.stopped:
                     final.text += detok.flush().text
                     final.finish_reason = end.finish_reason
                     final.usage.CopyFrom(end.usage)
+                    if cached is not None:  # the continuation's replica counted its own hit
+                        final.usage.cached_tokens = cached
                     final.error = end.error
-                if failure is not None and not final.finish_reason:
+                if failure is not None and not final.finish_reason and not resume:
                     if request.stream and final.token_ids:
                         yield final
                     code = _CODES.get(failure.status_code, grpc.StatusCode.UNKNOWN)
                     span.set_status(Status(StatusCode.ERROR, f"{code.name}: {failure.error}"))
                     raise Relay(code, failure.error or code.name)
                 if request.stream:
-                    yield final
+                    if final.token_ids or final.finish_reason or not resume:
+                        yield final
                 else:
                     all_ids += final.token_ids
                     all_text.append(final.text)
@@ -311,6 +328,25 @@ class StrataServicer(pgrpc.StrataServicer):
                             error=final.error,
                         )
                     return
+                if resume:
+                    # The scheduler died (or lost its worker for good) mid-stream: the same request
+                    # goes on from the tokens already streamed, on another replica or the restarted one.
+                    log.info("request %s: scheduler %s %s after %d tokens; resuming", rid, ticket.choice.address,
+                             "lost" if chunk.lost else "has no worker", len(streamed))  # fmt: skip
+                    if cached is None and streamed:
+                        cached = inbox.cached_tokens
+                    inbox.close()
+                    ticket.finish()
+                    if chunk.lost:
+                        self.router.set_aside(ticket.choice.address)
+                    left = None if timeout_s is None else max(timeout_s - (time.perf_counter() - t0), 0.001)
+                    cont = _continuation(sreq, streamed, gen.max_new_tokens)
+                    inbox, chunk, ticket = await self._open(rid, cont, trace_context, left, tried)
+                    progressed = False
+                    if self.metrics is not None:
+                        self.metrics.resumed.labels(self.metrics.model).inc()
+                    span.add_event("resumed", {"strata.replica": ticket.choice.address, "strata.tokens": len(streamed)})
+                    continue
                 chunk = await inbox.next()
         finally:
             self._running.pop(rid, None)
@@ -320,29 +356,59 @@ class StrataServicer(pgrpc.StrataServicer):
                 ticket.finish()
             span.end()
 
+    def _resumable(
+        self, chunk: Chunk, failure: spb.RequestEnd, ticket: Ticket, tried: set[str], progressed: bool
+    ) -> bool:
+        """Whether a request that failed with ``failure`` on its ticket's scheduler goes on
+        elsewhere: when that scheduler was lost after it had sent tokens (``_open`` then waits for
+        one to take it; a lost one that sent nothing is what ``_open`` gave up on); when it answered
+        UNAVAILABLE (its worker is gone), while another scheduler is registered (``tried`` grows by
+        one each time: bounded)."""
+        if chunk.lost:
+            return progressed
+        if failure.status_code != grpc.StatusCode.UNAVAILABLE.value[0]:
+            return False
+        tried.add(ticket.choice.address)
+        return len(tried) < self.router.count()
+
     async def _open(
-        self, rid: str, sreq: spb.GenerateRequest, trace_context: dict[str, str], timeout_s: float | None
+        self, rid: str, sreq: spb.GenerateRequest, trace_context: dict[str, str], timeout_s: float | None,
+        tried: set[str],
     ) -> tuple[Inbox, Chunk, Ticket]:
-        """Submit ``sreq`` to a scheduler and wait for its first chunk. A scheduler that is
-        unreachable (or has no worker) before answering anything is set aside for a moment and
-        the next one is tried, so a dead or restarted scheduler costs a request nothing while
-        another serves."""
-        tried: set[str] = set()
+        """Submit ``sreq`` to a scheduler and wait for its first chunk. A scheduler that answers
+        nothing before its session breaks (dead: still registered until its lease ends, or not yet
+        restarted) is set aside and the request submitted again, to another replica or the same
+        address once it serves again, for up to ``--resume-wait-s``; one that answers
+        UNAVAILABLE (no worker) joins ``tried`` while another scheduler is registered, so a dead
+        or restarted scheduler costs a request nothing while another serves."""
         unavailable = grpc.StatusCode.UNAVAILABLE.value[0]
+        deadline = time.monotonic() + self.resume_wait_s
+        lost = False
+        tokens = [*sreq.input_ids, *sreq.output_ids]
         while True:
-            ticket, session = await self.router.pick(exclude=tried, tokens=sreq.input_ids, salt=sreq.cache_salt)
+            ticket, session = await self.router.pick(exclude=tried, tokens=tokens, salt=sreq.cache_salt)
             address = ticket.choice.address
             self._running[rid] = address
             # The client's deadline goes with the request: the scheduler drops it when it passes.
             inbox = session.submit(sreq, trace_context, timeout_s)
             first = await inbox.next()
             end = first.end
-            if end is not None and end.status_code == unavailable and len(tried) + 1 < self.router.count():
-                ticket.finish()
-                log.info("scheduler %s unavailable (%s); trying another", address, end.error)
-                self.router.set_aside(address)
-                tried.add(address)
-                continue
+            if end is not None and end.status_code == unavailable and not first.token_ids:
+                if first.lost and time.monotonic() < deadline:
+                    ticket.finish()
+                    # Once per request at info: it is tried every RESUBMIT_S while the scheduler restarts.
+                    log.log(logging.DEBUG if lost else logging.INFO, "scheduler %s lost (%s); submitting again",
+                            address, end.error)  # fmt: skip
+                    lost = True
+                    self.router.set_aside(address)
+                    await asyncio.sleep(RESUBMIT_S)
+                    continue
+                if not first.lost and len(tried) + 1 < self.router.count():
+                    ticket.finish()
+                    log.info("scheduler %s unavailable (%s); trying another", address, end.error)
+                    self.router.set_aside(address)
+                    tried.add(address)
+                    continue
             ticket.first_token()
             return inbox, first, ticket
 
@@ -416,6 +482,16 @@ class StrataServicer(pgrpc.StrataServicer):
         )
 
 
+def _continuation(sreq: spb.GenerateRequest, streamed: list[int], max_new_tokens: int) -> spb.GenerateRequest:
+    """``sreq`` resumed after ``streamed`` output tokens: the same prompt, seed, stop conditions
+    and grammar, the tokens so far as ``output_ids`` (they count against ``max_new_tokens``)."""
+    cont = spb.GenerateRequest()
+    cont.CopyFrom(sreq)
+    cont.output_ids[:] = streamed
+    cont.sampling.max_new_tokens = max_new_tokens
+    return cont
+
+
 async def serve(cfg: TokenizerConfig, stop: asyncio.Event) -> None:
     telemetry.setup_tracing(
         "tokenizer", cfg.trace_exporter, cfg.trace_target.replace("{service}", "tokenizer")
@@ -440,8 +516,9 @@ async def serve(cfg: TokenizerConfig, stop: asyncio.Event) -> None:
     metrics = TokenizerMetrics(registry, card.name)
     metrics.index_pages.set_function(lambda: router.index.pages)
     servicer = StrataServicer(
-        tok, card, router, fingerprint, metrics, tool_format=cfg.tool_call_parser, reasoning=cfg.reasoning_parser
-    )
+        tok, card, router, fingerprint, metrics, resume_wait_s=cfg.resume_wait_s,
+        tool_format=cfg.tool_call_parser, reasoning=cfg.reasoning_parser,
+    )  # fmt: skip
     server.add(pgrpc.add_StrataServicer_to_server, servicer, "strata.v1.Strata")
     port = await server.start(f"{cfg.host}:{cfg.port}")
     address = advertised_address(cfg.host, port, cfg.advertise_host)

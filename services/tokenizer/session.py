@@ -6,8 +6,8 @@ step for all of them (``services/scheduler/session.py``). A reader task splits e
 per-request ``Chunk``s and hands them to the request's ``Inbox``; a request that falls behind
 finds several chunks waiting and takes them merged, so a slow client gets fewer, larger writes
 instead of a backlog of one-token messages. If the stream breaks (the scheduler died or
-restarted) every request on it ends with the stream's status and the next request opens a new
-session.
+restarted) every request on it ends with the stream's status, marked ``lost`` when the scheduler
+went away (the servicer then resumes it elsewhere), and the next request opens a new session.
 """
 
 from __future__ import annotations
@@ -31,11 +31,14 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class Chunk:
     """What one request got since its previous chunk: tokens (with logprobs when asked), and its
-    end when it ended (``end.status_code`` non-zero: it failed with that gRPC status)."""
+    end when it ended (``end.status_code`` non-zero: it failed with that gRPC status). ``lost``:
+    the end is the session's, which broke with the scheduler (UNAVAILABLE), not the request's own:
+    the request may go on elsewhere from the tokens it got."""
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     end: spb.RequestEnd | None = None
+    lost: bool = False
 
 
 class Inbox:
@@ -75,6 +78,7 @@ class Inbox:
             merged.token_ids += c.token_ids
             merged.logprobs += c.logprobs
             merged.end = merged.end or c.end
+            merged.lost = merged.lost or c.lost
         return merged
 
     def close(self) -> None:
@@ -157,8 +161,10 @@ class SchedulerSession:
         """The stream is gone: every request on it ends with its status; new ones go elsewhere."""
         self.broken = True
         inboxes, self._inboxes = self._inboxes, {}
+        lost = code == grpc.StatusCode.UNAVAILABLE  # the scheduler went away (not: we are stopping)
         for inbox in inboxes.values():
-            inbox.put(Chunk(end=spb.RequestEnd(handle=inbox.handle, status_code=code.value[0], error=details)))
+            end = spb.RequestEnd(handle=inbox.handle, status_code=code.value[0], error=details)
+            inbox.put(Chunk(end=end, lost=lost))
         if inboxes:
             log.info("session with scheduler %s ended (%s: %s): %d requests failed", self.address, code.name,
                      details, len(inboxes))  # fmt: skip

@@ -156,12 +156,28 @@ def test_the_tokenizer_splits_a_message_into_per_request_chunks() -> None:
         assert b.cached_tokens == 16 and b.ended and 2 not in sess._inboxes
         with pytest.raises(ValueError):  # counts that do not match the handles
             sess._dispatch(spb.SessionEvents(handles=[1, 2], counts=[1], token_ids=[1]))
+        sess._dispatch(spb.SessionEvents(handles=[1], counts=[1], token_ids=[10]))
         sess._fail_all(grpc.StatusCode.UNAVAILABLE, "scheduler gone")
-        failed = await a.next()
-        assert failed.end is not None and failed.end.status_code == grpc.StatusCode.UNAVAILABLE.value[0]
-        assert sess.broken
+        failed = await a.next()  # the tokens before the break, then the end, merged
+        assert failed.token_ids == [10] and failed.end is not None
+        assert failed.end.status_code == grpc.StatusCode.UNAVAILABLE.value[0]
+        assert failed.lost and sess.broken  # the scheduler went away: the servicer may resume it
         a.close()  # ended already: no abort is queued on a broken session
         assert sess._out.empty()
+
+    asyncio.run(run())
+
+
+def test_a_stopping_tokenizer_loses_no_request_to_resume() -> None:
+    """Only a scheduler that went away (UNAVAILABLE) marks its requests lost; the tokenizer's own
+    stop (CANCELLED) ends them without resuming anywhere."""
+
+    async def run() -> None:
+        sess = SchedulerSession(None, "sched:1")  # type: ignore[arg-type]
+        inbox = sess._inboxes[1] = Inbox(1, sess._abort)
+        sess._fail_all(grpc.StatusCode.CANCELLED, "the tokenizer is stopping")
+        chunk = await inbox.next()
+        assert chunk.end is not None and not chunk.lost
 
     asyncio.run(run())
 
