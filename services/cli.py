@@ -121,7 +121,7 @@ def _up(args: argparse.Namespace) -> int:
             f"       -d '{{\"model\": \"{name}\", \"prompt\": \"The cache\", \"max_tokens\": 16}}'"
         )
     print(f"\nStrata is serving strata.v1.Strata on {address}. Ctrl-C stops all services.", flush=True)
-    return supervisor.supervise(stack)
+    return supervisor.supervise(stack, restart=args.restart)
 
 
 def _serve(args: argparse.Namespace, rest: list[str]) -> int:
@@ -203,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="TLS on the public ports, mutual TLS between services; a development CA in "
                          "<run-dir>/tls (real certificates: strata serve ... --tls-cert/--tls-key/--tls-ca)")
     up.add_argument("--etcd", default="", help="use this etcd endpoint instead of starting one")
+    up.add_argument("--restart", default="no", choices=["no", "on-failure"],
+                    help="a service that crashes: stop everything (no), or start it again at the same "
+                         "ports after a backoff of 1 s doubling to 30 s (on-failure); its requests resume")
     up.add_argument("--replicas", type=int, default=1,
                     help="worker + scheduler pairs behind the one tokenizer (each on --device)")
     up.add_argument("--router-policy", default="", choices=["", "kv", "round_robin", "least_load"],

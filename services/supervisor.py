@@ -1,5 +1,6 @@
 """``strata up``: start etcd and the four services as separate processes, health-gated, and stop
-them all cleanly on Ctrl-C or as soon as one of them dies.
+them all cleanly on Ctrl-C or as soon as one of them dies — or, with ``--restart on-failure``,
+restart a service that crashed (exit code not 0) after a backoff, at the address it had.
 
 Each child is ``python -m services.<name>.server`` with flags; its output goes to
 ``<run_dir>/<name>.log`` and it announces readiness with one ``READY <name> <address>`` line.
@@ -18,9 +19,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from services.common.etcd_proc import EtcdProcess, die_with_parent, free_port
 from services.common.tls import TlsFiles
+
+RESTART_BACKOFF_S = (1.0, 30.0)  # wait before restarting a crashed service: first, most (doubling)
+RESTART_RESET_S = 60.0  # a service that ran this long before crashing waits the first backoff again
+RestartPolicy = Literal["no", "on-failure"]
 
 
 class StartError(RuntimeError):
@@ -63,6 +69,19 @@ class Child:
                 raise StartError(f"{self.name} exited with code {self.proc.returncode}:\n{self.tail()}")
             time.sleep(0.1)
         raise StartError(f"{self.name} was not ready within {timeout_s:.0f}s:\n{self.tail()}")
+
+    def pin_ports(self) -> None:
+        """Listen where this start listened (gRPC port, and the HTTP port when it serves one), so
+        that a restart keeps the address its peers, clients and etcd key know."""
+        for flag, address in (("--port", self.address), ("--http-port", self.extra.get("http", "")
+                                                          or self.extra.get("https", ""))):
+            if not address:
+                continue
+            port = address.rsplit(":", 1)[1]
+            if flag in self.argv:
+                self.argv[self.argv.index(flag) + 1] = port
+            else:
+                self.argv += [flag, port]
 
     def tail(self, lines: int = 30) -> str:
         text = self.log_path.read_text(errors="replace").splitlines()
@@ -193,8 +212,50 @@ def start_stack(
     return stack
 
 
-def supervise(stack: Stack, say: Callable[[str], None] = print) -> int:
-    """Block until Ctrl-C / SIGTERM or until a service dies; then stop everything."""
+@dataclass(slots=True)
+class _Restarts:
+    """``--restart on-failure``: when each crashed service starts again, with doubling backoff."""
+
+    stack: Stack
+    say: Callable[[str], None]
+    timeout_s: float = 120.0
+    due: dict[str, float] = field(default_factory=dict)  # name -> when to start it again
+    delay: dict[str, float] = field(default_factory=dict)  # name -> its last backoff
+    started: dict[str, float] = field(default_factory=dict)  # name -> when it last started
+
+    def crashed(self, child: Child) -> None:
+        now = time.monotonic()
+        last = self.delay.get(child.name)
+        ran = now - self.started.get(child.name, 0.0)
+        wait = RESTART_BACKOFF_S[0] if last is None or ran >= RESTART_RESET_S else min(2 * last, RESTART_BACKOFF_S[1])
+        self.delay[child.name] = wait
+        self.due[child.name] = now + wait
+        assert child.proc is not None
+        self.say(f"{child.name} exited with code {child.proc.returncode}; restarting it in {wait:g}s\n{child.tail()}")
+
+    def run_due(self) -> None:
+        now = time.monotonic()
+        for name in [n for n, at in self.due.items() if at <= now]:
+            del self.due[name]
+            child = self.stack.child(name)
+            child.pin_ports()
+            self.started[name] = time.monotonic()
+            child.start(dict(os.environ, PYTHONUNBUFFERED="1"))
+            try:
+                address = child.wait_ready(self.timeout_s)
+            except StartError as e:
+                child.stop()
+                self.say(f"{name} did not start again: {e}")
+                continue  # dead now: the next poll schedules it again, with a longer backoff
+            self.say(f"{name} restarted at {address}")
+
+
+def supervise(
+    stack: Stack, say: Callable[[str], None] = print, restart: RestartPolicy = "no", timeout_s: float = 120.0
+) -> int:
+    """Block until Ctrl-C / SIGTERM; then stop everything. A service that dies stops everything
+    too, unless ``restart`` is ``on-failure`` and it crashed (exit code not 0): then it is started
+    again after a backoff (1 s, doubling to 30 s; back to 1 s after a minute up), at the same ports."""
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -202,17 +263,21 @@ def supervise(stack: Stack, say: Callable[[str], None] = print) -> int:
         stopping = True
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    restarts = _Restarts(stack, say, timeout_s)
     code = 0
     try:
         while not stopping:
-            dead = stack.dead()
+            dead = next((c for c in stack.children if not c.alive() and c.name not in restarts.due), None)
             if dead is not None:
                 assert dead.proc is not None
-                say(
-                    f"{dead.name} exited with code {dead.proc.returncode}; stopping all services\n{dead.tail()}"
-                )
-                code = 1
-                break
+                if restart == "no" or dead.proc.returncode == 0:
+                    say(
+                        f"{dead.name} exited with code {dead.proc.returncode}; stopping all services\n{dead.tail()}"
+                    )
+                    code = 1
+                    break
+                restarts.crashed(dead)
+            restarts.run_due()
             time.sleep(0.2)
     finally:
         say("stopping services")

@@ -26,6 +26,7 @@ from services.common.etcd_proc import free_port
 from services.supervisor import Stack, start_stack
 from strata.v1 import strata_pb2 as pb
 from strata.v1 import strata_pb2_grpc as pgrpc
+from tests import streams
 
 QUIET = {"say": lambda _: None}
 
@@ -183,6 +184,44 @@ def test_worker_sigkill_under_load_ends_every_stream(tiny_qwen3: Path, tmp_path:
         assert codes == [grpc.StatusCode.UNAVAILABLE] * 8, codes
         assert elapsed < 2 + 3, elapsed
         assert "AssertionError" not in (tmp_path / "scheduler.log").read_text()
+    finally:
+        s.stop()
+
+
+def test_worker_sigkill_under_16_streams_resumes_them_on_its_restart(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """Issue #29: the requests of a SIGKILLed worker wait (``--worker-wait-s``, 10 s) with their
+    tokens so far; the restarted worker (same port, as ``strata up --restart on-failure`` restarts
+    it) recomputes their context and every stream goes on: greedy, seeded and grammar-constrained
+    tokens equal to an uninterrupted run, none lost or repeated, usage counting them all."""
+    s = start_stack(tiny_qwen3, free_port(), tmp_path, **QUIET)
+    try:
+        with grpc.insecure_channel(s.child("tokenizer").address) as ch:
+            api = pgrpc.StrataStub(ch)
+            reqs = streams.mixed(16, 160)
+            want = streams.run(api, reqs)
+            worker = s.child("worker")
+            times: dict[str, float] = {}
+
+            def kill_and_restart(running: list[streams.Stream]) -> None:
+                streams.wait_streaming(running, 10)
+                assert worker.proc is not None
+                times["kill"] = time.monotonic()
+                worker.proc.send_signal(signal.SIGKILL)
+                worker.proc.wait()
+                worker.pin_ports()
+                worker.start(dict(os.environ, PYTHONUNBUFFERED="1"))
+                worker.wait_ready(60)
+                times["ready"] = time.monotonic()
+
+            got = streams.run(api, reqs, kill_and_restart)
+        resumed = max(g.gap_after(times["kill"]) for g in got if g.times[-1] > times["kill"])
+        print(f"[fault] worker SIGKILL under 16 streams: restarted in {times['ready'] - times['kill']:.2f}s, "
+              f"every stream streaming again {resumed:.2f}s after the kill")
+        assert [g.error for g in got] == [None] * 16
+        assert [g.ids for g in got] == [w.ids for w in want]
+        assert all(g.usage is not None and g.usage.completion_tokens == len(g.ids) for g in got)
+        assert sum(len(g.ids) > 10 and g.times[-1] > times["ready"] for g in got) >= 12  # most were cut
+        assert "16 requests requeued" in (tmp_path / "scheduler.log").read_text()
     finally:
         s.stop()
 
