@@ -86,10 +86,10 @@ class Run:
 
 
 def workload(kind: str, batch: int, cfg: Config, vocab: int, seed: int) -> Workload:
-    """``2 * batch`` requests (at least 4) of ``cfg.prompt_len`` tokens."""
+    """``batch`` requests (at least 4: batch 1 runs them one after the other) of ``cfg.prompt_len`` tokens."""
     rng = random.Random(f"spec/{kind}/{seed}")
     convs = []
-    for i in range(max(4, 2 * batch)):
+    for i in range(max(4, batch)):
         if kind == "random":
             prompt = [rng.randrange(FIRST_ID, vocab) for _ in range(cfg.prompt_len)]
         elif kind == "loop":  # a short phrase over and over (a list, a log): the answer loops too

@@ -57,7 +57,8 @@ def _stack_args(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
         if not args.speculative_algorithm:
             scheduler += ("--speculative-algorithm", "draft")
     tokenizer = given(("--api-key", args.api_key), ("--api-key-file", args.api_key_file),
-                      ("--model-name", args.served_model_name), ("--router-policy", args.router_policy))
+                      ("--model-name", args.served_model_name), ("--router-policy", args.router_policy),
+                      ("--tool-call-parser", args.tool_call_parser), ("--reasoning-parser", args.reasoning_parser))
     return {"common": common, "worker": worker, "scheduler": scheduler, "tokenizer": tokenizer}
 
 
@@ -208,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "ports after a backoff of 1 s doubling to 30 s (on-failure); its requests resume")
     up.add_argument("--replicas", type=int, default=1,
                     help="worker + scheduler pairs behind the one tokenizer (each on --device)")
+    up.add_argument("--tool-call-parser", default="", choices=["", "hermes", "qwen3_coder"],
+                    help="how the model writes tool calls (default hermes: Qwen3's <tool_call>{json}</tool_call>)")
+    up.add_argument("--reasoning-parser", default="", choices=["", "none", "qwen3"],
+                    help="qwen3: <think>...</think> becomes reasoning_content (default none)")
     up.add_argument("--router-policy", default="", choices=["", "kv", "round_robin", "least_load"],
                     help="how the tokenizer picks a replica (default kv: where the prompt is cached, weighed by load)")
     up.add_argument("--tp", type=int, default=None,
