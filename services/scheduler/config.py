@@ -85,7 +85,7 @@ class SchedulerConfig:
     speculative_ngram_min: int = field(default=1, metadata=_h("ngram drafts: shortest suffix looked up"))
     speculative_ngram_max: int = field(default=4, metadata=_h("ngram drafts: longest suffix looked up"))
     speculative_max_batch: int = field(
-        default=8, metadata=_h("speculative decoding: draft only while at most this many requests decode")
+        default=4, metadata=_h("speculative decoding: draft only while at most this many requests decode")
     )
     speculative_min_accepted: float = field(default=1.0, metadata=_h(
         "speculative decoding: a request whose drafts keep fewer tokens per step than this (running mean) "

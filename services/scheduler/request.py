@@ -105,7 +105,7 @@ class Req:
     inflight: int = 0
     # Speculative decoding: drafts kept per verify step (running mean), and the back-off after
     # failed tries (decodes to wait before the next, and the current back-off length).
-    spec_score: float = 4.0
+    spec_score: float = 1.0
     spec_wait: int = 0
     spec_backoff: int = 0
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)

@@ -12,10 +12,11 @@ repeats its context (edits, code, quoting, and the loops small models fall into)
 
 When drafting does not pay it is skipped: above ``max_batch`` decoding requests (the verify pass
 then costs more than the tokens it saves: on 2 CPU cores a verify of 4 drafts costs 1.5x a decode
-at batch 1, 2x at 8, 2.8x at 32), and for a request whose drafts keep failing — found none, or
-kept fewer than ``min_accepted`` tokens per verify on average: it backs off for 8, 16, ... up to 64
-of its decodes before it tries again (a drafting request also gives up overlap scheduling for that
-step, since it needs its last token before it can draft).
+at batch 1, 2x at 8, 2.8x at 32), for a request whose known tokens have nothing to look up (a
+drafting request gives up overlap scheduling for that step, since it needs its last token before
+it can draft), and for a request whose drafts keep failing — found none, or kept fewer than
+``min_accepted`` tokens per verify on average: it backs off for 8, 16, ... up to 64 of its decodes
+before it tries again.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class SpecConfig:
     num_draft_tokens: int = 4  # K: drafts per verify step at most
     ngram_min: int = 1  # shortest suffix looked up
     ngram_max: int = 4  # longest suffix looked up (the longest that recurs wins)
-    max_batch: int = 8  # draft only while at most this many requests decode
+    max_batch: int = 4  # draft only while at most this many requests decode
     min_accepted: float = 1.0  # drafts kept per verify (a request's running mean) below which it backs off
 
     def validate(self) -> None:
@@ -104,8 +105,12 @@ class Speculator:
 
     def drafting(self, req: Req, decoding: int) -> bool:
         """Whether ``req`` drafts while ``decoding`` requests decode: then it is planned only once
-        its last token is known (with overlap scheduling, every other step)."""
-        return decoding <= self.cfg.max_batch and req.grammar is None and not req.spec_wait
+        its last token is known (with overlap scheduling, every other step). With prompt lookup,
+        only while the known tokens have something to look up (a cheap probe: text that never
+        recurs does not give up overlap for nothing)."""
+        if decoding > self.cfg.max_batch or req.grammar is not None or req.spec_wait:
+            return False
+        return self.worker_drafts or bool(self.drafter(req, 1))
 
     def draft(self, req: Req, decoding: int) -> list[int]:
         """Drafts for ``req``'s next decode (empty: an ordinary decode) while ``decoding`` requests

@@ -76,7 +76,7 @@ def _req(prompt: list[int], max_new: int = 16, output: list[int] | None = None) 
 
 def test_speculator_limits_and_pauses() -> None:
     spec = Speculator(SpecConfig("ngram", num_draft_tokens=4, max_batch=8), context_length=64)
-    assert SpecConfig().max_batch == 8 and SpecConfig().min_accepted == 1.0
+    assert SpecConfig().max_batch == 4 and SpecConfig().min_accepted == 1.0
     loop = [3, 4] * 5
     assert spec.draft(_req(loop), decoding=1) == [3, 4, 3, 4]
     assert spec.draft(_req(loop, max_new=3, output=[3]), decoding=1) == [4]  # room for 2 more tokens: 1 draft
@@ -91,8 +91,9 @@ def test_speculator_limits_and_pauses() -> None:
     assert tight.draft(_req(loop), 1) == []  # the context leaves room for the next token only
 
     unlucky = _req(loop)
-    for _ in range(3):  # kept nothing: the running mean of kept drafts falls 4 -> 2 -> 1 -> 0.5
-        spec.record(unlucky, drafted=4, accepted=0)
+    spec.record(unlucky, drafted=4, accepted=1)  # the running mean of kept drafts: 1 -> 1
+    assert spec.drafting(unlucky, 1)
+    spec.record(unlucky, drafted=4, accepted=0)  # 1 -> 0.5: below min_accepted
     assert not spec.drafting(unlucky, 1) and spec.draft(unlucky, 1) == []  # backs off ...
     for _ in range(7):
         spec.draft(unlucky, 1)
@@ -105,7 +106,7 @@ def test_speculator_limits_and_pauses() -> None:
     assert waits == 16  # then twice as long
     spec.record(unlucky, drafted=4, accepted=4)  # mean (0.25 + 4) / 2 >= 1: no back-off
     assert spec.drafting(unlucky, 1) and unlucky.spec_backoff == 0
-    assert spec.counters.verify_steps == 5 and spec.counters.accepted_tokens == 4
+    assert spec.counters.verify_steps == 4 and spec.counters.accepted_tokens == 5
 
     lonely = _req(list(range(3, 20)))  # nothing recurs: no draft, and a back-off
     assert spec.draft(lonely, 1) == [] and not spec.drafting(lonely, 1)
