@@ -15,7 +15,7 @@ from services.scheduler.speculative import SpecConfig, Speculator
 from tests import sched_harness as h
 from tests.reference import hf_greedy
 
-NGRAM = SpecConfig("ngram", num_draft_tokens=4)
+NGRAM = SpecConfig("ngram", num_draft_tokens=4, max_batch=64)  # exactness, not the policy: always draft
 
 
 def _repetitive(vocab: int, seed: int) -> list[list[int]]:
