@@ -1,6 +1,7 @@
 """What every JSON grammar Strata hands to xgrammar shares: bounded whitespace, valid strings.
 
-The tokenizer builds tool-call grammars with it (``services/tokenizer/tool_grammar.py``).
+The scheduler compiles ``json_schema`` constraints with it (``services/scheduler/grammar.py``),
+the tokenizer builds tool-call grammars with it (``services/tokenizer/tool_grammar.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ JSON_MAX_WHITESPACE = 32
 # parsers reject the output), and no escapes. We swap in one JSON character, escapes included;
 # once xgrammar emits something else this matches nothing and the grammar is used as is.
 # Surrogates (U+D800-U+DFFF) are excluded too: their 3-byte forms are not valid UTF-8, and a
-# byte-level vocabulary can spell them.
+# byte-level vocabulary can spell them (a random model did: ED A9 81 inside a name).
 _BOUNDED_STRING_CHAR = re.compile(r'^(\S+_characters) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
 _JSON_CHAR = (
     r'(([^\0-\x1f\"\\\uD800-\uDFFF]) | ("\\" [\"\\/bfnrt]) '

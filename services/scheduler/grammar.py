@@ -44,15 +44,12 @@ import xgrammar as xgr
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from services.common.errors import InvalidArgument
+from services.common.json_grammar import JSON_MAX_WHITESPACE, valid_json_strings
 
 ConstraintKind = Literal["json_schema", "regex", "ebnf"]
 COMPILE_THREADS = 2  # grammar compiles at once; more wait in the pool's queue
 _KINDS: tuple[ConstraintKind, ...] = ("json_schema", "regex", "ebnf")
 
-# JSON output may use any whitespace, but at most this many characters between two elements:
-# enough for pretty-printing a deep document, and it stops a model from looping on whitespace
-# forever (a known failure of unbounded `any_whitespace`).
-JSON_MAX_WHITESPACE = 32
 # xgrammar's reasons are one line; a JSON error also echoes the whole schema, which we cut.
 _MAX_REASON_CHARS = 400
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*(?:Check failed: \(.*?\) is false:\s*)?")
@@ -354,26 +351,13 @@ def _bit(words: np.ndarray, token_id: int) -> bool:
     return bool((int(words[0, token_id >> 5]) >> (token_id & 31)) & 1)
 
 
-# xgrammar <= 0.2.8 lowers a string with minLength/maxLength to `X{m,n}` over this one class
-# (mlc-ai/xgrammar#800): it admits raw U+0000-U+001F, which JSON forbids in strings (strict
-# parsers reject the output), and no escapes. We swap in one JSON character, escapes included;
-# once xgrammar emits something else this matches nothing and the grammar is used as is.
-# Surrogates (U+D800-U+DFFF) are excluded too: their 3-byte forms are not valid UTF-8, and a
-# byte-level vocabulary can spell them (a random model did: ED A9 81 inside a name).
-_BOUNDED_STRING_CHAR = re.compile(r'^(\S+_characters) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
-_JSON_CHAR = (
-    r'(([^\0-\x1f\"\\\uD800-\uDFFF]) | ("\\" [\"\\/bfnrt]) '
-    r'| ("\\u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))'
-)
-
-
 def _json_schema_ebnf(schema: str) -> str:
     """The EBNF of ``schema`` (any whitespace, at most ``JSON_MAX_WHITESPACE`` per gap; strict:
     no properties or items beyond the schema), with length-bounded strings made valid JSON."""
     grammar = xgr.Grammar.from_json_schema(
         schema, any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE, strict_mode=True
     )
-    return _BOUNDED_STRING_CHAR.sub(lambda m: f"{m.group(1)} ::= {_JSON_CHAR}", str(grammar))
+    return valid_json_strings(str(grammar))
 
 
 def _reason(exc: BaseException) -> str:
