@@ -14,9 +14,9 @@ When drafting does not pay it is skipped: above ``max_batch`` decoding requests 
 then costs more than the tokens it saves: on 2 CPU cores a verify of 4 drafts costs 1.5x a decode
 at batch 1, 2x at 8, 2.8x at 32), for a request whose known tokens have nothing to look up (a
 drafting request gives up overlap scheduling for that step, since it needs its last token before
-it can draft), and for a request whose drafts keep failing — found none, or kept fewer than
-``min_accepted`` tokens per verify on average: it backs off for 8, 16, ... up to 64 of its decodes
-before it tries again.
+it can draft), and for a request whose drafts keep failing — kept fewer than ``min_accepted``
+tokens per verify on average: it backs off for 8, 16, ... up to 64 of its decodes before it tries
+again.
 """
 
 from __future__ import annotations
@@ -103,22 +103,24 @@ class Speculator:
                 lambda req, k: ngram_draft(req.seq, k, cfg.ngram_min, cfg.ngram_max))
         self.drafter: Drafter = drafter
 
+    def _eligible(self, req: Req, decoding: int) -> bool:
+        """Not over the batch limit, not constrained by a grammar, not backing off."""
+        return decoding <= self.cfg.max_batch and req.grammar is None and not req.spec_wait
+
     def drafting(self, req: Req, decoding: int) -> bool:
         """Whether ``req`` drafts while ``decoding`` requests decode: then it is planned only once
         its last token is known (with overlap scheduling, every other step). With prompt lookup,
         only while the known tokens have something to look up (a cheap probe: text that never
         recurs does not give up overlap for nothing)."""
-        if decoding > self.cfg.max_batch or req.grammar is not None or req.spec_wait:
-            return False
-        return self.worker_drafts or bool(self.drafter(req, 1))
+        return self._eligible(req, decoding) and (self.worker_drafts or bool(self.drafter(req, 1)))
 
     def draft(self, req: Req, decoding: int) -> list[int]:
         """Drafts for ``req``'s next decode (empty: an ordinary decode) while ``decoding`` requests
         decode this step. Only a request whose last token is known (nothing in flight) and that is
         not constrained by a grammar drafts; the drafts never take it past ``max_new_tokens`` or
-        the context. A request whose drafts were mostly rejected, or that found none, pauses."""
+        the context. A request whose drafts were mostly rejected pauses."""
         cfg = self.cfg
-        if req.inflight or not self.drafting(req, decoding):
+        if req.inflight or not self._eligible(req, decoding):
             if req.spec_wait:
                 req.spec_wait -= 1  # backing off: one decode fewer to wait
             return []
@@ -130,10 +132,8 @@ class Speculator:
         if room < 1:
             return []
         t0 = time.perf_counter()
-        draft = self.drafter(req, room)[:room]
+        draft = self.drafter(req, room)[:room]  # empty where nothing recurs: an ordinary decode
         self.counters.draft_s += time.perf_counter() - t0
-        if not draft:
-            self._back_off(req)  # nothing to look up: try again later
         return draft
 
     def record(self, req: Req, drafted: int, accepted: int) -> None:
@@ -153,8 +153,3 @@ class Speculator:
         """Wait 8, 16, 32, then 64 decodes before the next try."""
         req.spec_backoff = min(2 * req.spec_backoff or 8, 64)
         req.spec_wait = req.spec_backoff
-
-    @property
-    def acceptance(self) -> float:
-        c = self.counters
-        return c.accepted_tokens / c.draft_tokens if c.draft_tokens else 0.0

@@ -272,10 +272,12 @@ class Engine:
             if self.tp.size > 1:
                 self.tp.share_ints([o.token_id for o in result.outputs], n)
         t3 = time.perf_counter()
-        if saved is not None:
-            self._roll_back_states(drafting, saved, result.outputs)
-        if self.draft is not None and drafting:
-            self.draft.finish(req.reqs, Counter(o.row for o in result.outputs))
+        if drafting:
+            kept = Counter(o.row for o in result.outputs)  # tokens each row kept
+            if saved is not None:
+                self._roll_back_states(drafting, saved, kept)
+            if self.draft is not None:
+                self.draft.finish(req.reqs, kept)
         result.forward_s, result.sample_s = t1 - t0 + time.perf_counter() - t3, t3 - t2
         if self.host is not None:  # L3 transfers ran alongside the forward
             result.jobs = self._finish_host()
@@ -459,11 +461,11 @@ class Engine:
             k += r.num_draft + 1
         return outputs
 
-    def _roll_back_states(self, drafting: list[ReqInput], saved: list[torch.Tensor], outputs: list[ReqOutput]) -> None:
-        """Hybrid rows whose drafts were not all accepted: their recurrent states went through the
-        rejected tokens, so put back the states from before the pass and run the kept inputs again
-        (the input token and the accepted drafts; their KV is rewritten with the same values)."""
-        kept = Counter(o.row for o in outputs)
+    def _roll_back_states(self, drafting: list[ReqInput], saved: list[torch.Tensor], kept: Counter[int]) -> None:
+        """Hybrid rows whose drafts were not all accepted (``kept``: tokens each row kept): their
+        recurrent states went through the rejected tokens, so put back the states from before the
+        pass and run the kept inputs again (the input token and the accepted drafts; their KV is
+        rewritten with the same values)."""
         redo = [j for j, r in enumerate(drafting) if kept[r.row] < r.num_draft + 1]
         if not redo:
             return
@@ -475,8 +477,7 @@ class Engine:
             [r.input_ids[: kept[r.row]] for r in again], [r.new_slots[: kept[r.row]] for r in again],
             [cast(int, r.mamba_slot) for r in again], [0] * len(again),
         )  # fmt: skip
-        batch = ForwardBatch.build(inp, self.device, self.attn)
-        self.model.forward(batch, self._ctx)
+        self._run(inp, all_logits=False)
 
     def _record_samples(self, reqs: list[ReqInput], ids: list[int]) -> None:
         """Remember each sampling request's token: the next decode's input and penalty history."""
