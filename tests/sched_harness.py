@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from services.common import validation
 from services.scheduler.loop import LoopConfig, SchedulerLoop
-from services.scheduler.request import FinishEvent, Req, TokenEvent
+from services.scheduler.request import FailEvent, FinishEvent, Req, TokenEvent
 from services.scheduler.worker_link import InProcessWorkerLink
 from services.worker.engine import Engine, EngineConfig
 from strata.v1 import strata_pb2 as pb
@@ -49,6 +49,12 @@ async def one(loop: SchedulerLoop, rid: str, spec: Spec) -> Outcome:
     gen = validation.generation(sp, len(spec.prompt), loop.limits(), False, 0)
     req = Req(rid, list(spec.prompt), gen, seed=spec.seed, cache_salt=spec.salt, grammar=spec.grammar)
     req.l3_pages = spec.l3_pages
+    ids, ev = await stream(loop, req)
+    return Outcome(ids, ev.reason.value, ev.prompt_tokens, ev.cached_tokens)
+
+
+async def stream(loop: SchedulerLoop, req: Req) -> tuple[list[int], FinishEvent]:
+    """Submit ``req`` and collect its tokens until it finishes (a ``FailEvent`` raises its error)."""
     loop.submit(req)
     ids: list[int] = []
     while True:
@@ -56,8 +62,10 @@ async def one(loop: SchedulerLoop, rid: str, spec: Spec) -> Outcome:
         if isinstance(ev, TokenEvent):
             ids += ev.token_ids
         elif isinstance(ev, FinishEvent):
-            loop.forget(rid)
-            return Outcome(ids, ev.reason.value, ev.prompt_tokens, ev.cached_tokens)
+            loop.forget(req.rid)
+            return ids, ev
+        elif isinstance(ev, FailEvent):
+            raise ev.error
 
 
 def run(

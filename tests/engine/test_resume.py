@@ -20,7 +20,7 @@ from services.common.errors import InvalidArgument
 from services.common.step import LateMasks, StepRequest, StepResult, WorkerInfo
 from services.scheduler.grammar import Constraint, GrammarService
 from services.scheduler.loop import LoopConfig, SchedulerLoop
-from services.scheduler.request import FailEvent, FinishEvent, Req, TokenEvent
+from services.scheduler.request import Req
 from services.scheduler.server import SchedulerServicer
 from services.scheduler.worker_link import InProcessWorkerLink, WorkerGone
 from strata.scheduler.v1 import scheduler_pb2 as spb
@@ -82,19 +82,10 @@ def _requests(vocab: int) -> list[tuple[list[int], pb.SamplingParams, int, bool]
     return [(p, s, 1000 + i, s is CONSTRAINED) for i, (p, s) in enumerate(zip(prompts, kinds, strict=True))]
 
 
-async def _one(loop: SchedulerLoop, rid: str, req: Req) -> tuple[list[int], str, int, int]:
+async def _one(loop: SchedulerLoop, req: Req) -> tuple[list[int], str, int, int]:
     """(streamed ids, finish reason, completion tokens, cached tokens) of ``req``."""
-    loop.submit(req)
-    ids: list[int] = []
-    while True:
-        ev = await req.events.get()
-        if isinstance(ev, TokenEvent):
-            ids += ev.token_ids
-        elif isinstance(ev, FinishEvent):
-            loop.forget(rid)
-            return ids, ev.reason.value, ev.completion_tokens, ev.cached_tokens
-        elif isinstance(ev, FailEvent):
-            raise ev.error
+    ids, ev = await h.stream(loop, req)
+    return ids, ev.reason.value, ev.completion_tokens, ev.cached_tokens
 
 
 def _make(loop: SchedulerLoop, grammar: Any, spec: tuple, rid: str, output: list[int]) -> Req:
@@ -123,7 +114,7 @@ def _serve(
         stop = asyncio.Event()
         task = asyncio.create_task(loop.run(stop))
         reqs = [_make(loop, grammar, s, f"r{i}", outputs[i] if outputs else []) for i, s in enumerate(specs)]
-        runs = asyncio.gather(*(_one(loop, r.rid, r) for r in reqs))
+        runs = asyncio.gather(*(_one(loop, r) for r in reqs))
         if die_after is not None:
             while loop.link is not None:  # the worker dies under load
                 await asyncio.sleep(0.005)
@@ -182,7 +173,7 @@ def test_penalties_see_the_whole_prompt_whatever_is_cached(tiny_qwen3: Path) -> 
         for i in range(2):  # cold, then with the prompt cached
             gen = validation.generation(PENALISED, len(prompt), loop.limits(), False, 0)
             req = Req(f"p{i}", list(spec.prompt), gen, seed=0)
-            ids, _, _, cached = await _one(loop, req.rid, req)
+            ids, _, _, cached = await _one(loop, req)
             assert cached == (0 if i == 0 else len(prompt) - 1)
             outs.append(ids)
         return outs
