@@ -36,6 +36,7 @@ toy sizes, ``control`` only checks that the rig starts (``--help``) and records 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -78,6 +79,12 @@ MODELS = (
 )
 DRY_MODELS = ("qwen3-tiny", "qwen3-next-tiny")
 STEP_MODELS = ("qwen3-bench", "qwen3-0.6b")
+# The checkpoints each phase after ``models`` reads: ``models`` writes only those of the phases chosen.
+PHASE_MODELS = {"kernels": DRY_MODELS, "elastic": DRY_MODELS, "engine": DRY_MODELS, "step": STEP_MODELS,
+                "control": ("qwen3-null",)}  # fmt: skip
+# Test processes on a device (pytest-xdist, where installed): the tests are small and each waits on
+# its CPU reference (transformers in fp32) as much as on the device.
+TEST_WORKERS = 6
 DRY_STEP_ARGS = ("--dtype", "bfloat16", "--batches", "1,2", "--context", "16", "--prefill", "32", "--steps", "2",
                  "--warmup", "1", "--repeats", "1", "--attn-batches", "2", "--attn-context", "32",
                  "--cascade-batch", "16", "--copy-mib", "8")  # fmt: skip
@@ -160,7 +167,10 @@ def _python() -> list[str]:
 
 
 def _test_env(cfg: Config) -> dict[str, str]:
-    return {**os.environ, "STRATA_TEST_DEVICE": cfg.device, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "STRATA_TEST_DEVICE": cfg.device, "PYTHONUNBUFFERED": "1"}
+    if not cfg.dry_run:  # TEST_WORKERS processes share the host's cores for their CPU references
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // TEST_WORKERS)))
+    return env
 
 
 # --- phases ---------------------------------------------------------------------------------------
@@ -206,7 +216,8 @@ def phase_env(run: Run) -> dict[str, Any]:
 
 def phase_models(run: Run, limit: float) -> dict[str, Any]:
     """Write the missing checkpoints, all at once (each is a few seconds to ~20 s of one core)."""
-    wanted = [m for m in MODELS if m[2] in DRY_MODELS] if run.cfg.dry_run else list(MODELS)
+    needed = {m for name, models in PHASE_MODELS.items() if not run.cfg.only or name in run.cfg.only for m in models}
+    wanted = [m for m in MODELS if m[2] in (DRY_MODELS if run.cfg.dry_run else needed)]
     missing = [m for m in wanted if not (run.cfg.models / m[2] / "config.json").exists()]
     t0 = time.monotonic()
     procs = []
@@ -265,6 +276,8 @@ def phase_tests(run: Run, name: str, limit: float) -> dict[str, Any]:
     cmd = [*_python(), "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", f"--junitxml={junit}", *files]
     if run.cfg.dry_run:
         cmd += ["-k", dry_k]
+    elif importlib.util.find_spec("xdist") is not None:
+        cmd += ["-n", str(TEST_WORKERS)]
     o = run.command(cmd, limit, _test_env(run.cfg))
     info: dict[str, Any] = {"seconds": round(o.seconds, 1), "files": list(files)}
     if not junit.exists():
