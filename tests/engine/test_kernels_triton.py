@@ -281,8 +281,8 @@ def cases_bitmask() -> Results:
     out: Results = {}
     for vocab in (32, 65, 1030):  # an exact word, one bit in the last word, two programs per row
         allowed = [{0, 31, vocab - 1}, set(range(0, vocab, 3)), set(), set(range(vocab))]
-        mask = torch.stack([bitmask_from_allowed(a, vocab) for a in allowed])
         logits = torch.randn(len(allowed), vocab)
+        mask = torch.stack([bitmask_from_allowed(a, vocab) for a in allowed]).to(logits.device)
         ref, tri = logits.clone(), logits.clone()
         apply_token_bitmask(ref, mask, impl="torch")
         apply_token_bitmask(tri, mask, impl="triton")

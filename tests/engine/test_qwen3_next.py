@@ -12,7 +12,11 @@ multi-token forwards and recurrently for single tokens, and the two round differ
 The fixture lowers the final-norm gain of the tiny checkpoint from 6 to 3. fp32 rounding noise
 in the logits grows linearly with that gain; at 6 two correct fp32 implementations (or
 transformers against itself in fp64) differ by up to ~1.5e-4, which leaves no margin under the
-1e-4 bar. At 3 our worst path measures ~5e-5.
+1e-4 bar. At 3 our worst path measures ~5e-5 on the CPU, where the engine and transformers round
+alike (the same torch kernels). Even at 3, transformers' own fp32 logits are 1.4-1.6e-4 from its
+fp64 logits on the chunked pieces: on another device (a GPU: Triton kernels, other reduction orders)
+the engine rounds differently from transformers-on-the-CPU by as much, and the bar there is 2e-4,
+the hybrid's fp32 bar of test_engine_device.py (measured on an H100: 1.7e-4 for 7-token chunks).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from services.worker.engine import Engine, EngineConfig
 from services.worker.tiny import write_tiny_checkpoint
 from tests.device import TEST_DEVICE
 
-TOL = 1e-4
+TOL = 1e-4 if TEST_DEVICE == "cpu" else 2e-4  # see the module docstring
 FINAL_NORM_GAIN = 3.0  # see the module docstring
 
 
