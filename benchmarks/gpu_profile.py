@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="also write the report here")
     a = p.parse_args(argv)
     batches = tuple(int(x) for x in a.batches.split(",") if x)
-    sizes = Sizes(batches=batches, context=a.context, prefill=a.context, steps=a.steps, warmup=a.warmup)
+    sizes = Sizes(batches=batches, context=a.context, prefill=a.context, steps=2 * a.steps, warmup=a.warmup)
     bench = StepBench(a.model, a.device, a.dtype, sizes)
     report = "\n\n".join(profile_decode(bench, b, a.steps, a.warmup) for b in batches)
     print(report)
