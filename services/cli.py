@@ -75,6 +75,14 @@ def _up(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         print(f"strata up: --replicas must be at least 1, got {args.replicas}", file=sys.stderr)
         return 2
+    roles = ("prefill",) * args.prefill_replicas + ("decode",) * args.decode_replicas
+    if roles and (args.prefill_replicas < 1 or args.decode_replicas < 1):
+        print("strata up: --prefill-replicas and --decode-replicas go together, each at least 1", file=sys.stderr)
+        return 2
+    if roles and args.host_cache_bytes in ("0", 0):
+        print("strata up: prefill/decode replicas hand the KV over through the kvstore: keep --host-cache-bytes",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.tp is not None and args.tp < 1:
         print(f"strata up: --tp must be at least 1, got {args.tp}", file=sys.stderr)
         return 2
@@ -99,7 +107,7 @@ def _up(args: argparse.Namespace) -> int:
         stack = supervisor.start_stack(
             model, args.port, run_dir, etcd=args.etcd, worker_args=a["worker"], scheduler_args=a["scheduler"],
             common_args=a["common"], tokenizer_args=a["tokenizer"], http_port=args.http_port,
-            replicas=args.replicas, etcd_tls=args.tls_files,
+            replicas=args.replicas, etcd_tls=args.tls_files, roles=roles,
         )
     except (supervisor.StartError, OSError) as e:
         print(f"strata up: {e}", file=sys.stderr)
@@ -209,6 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "ports after a backoff of 1 s doubling to 30 s (on-failure); its requests resume")
     up.add_argument("--replicas", type=int, default=1,
                     help="worker + scheduler pairs behind the one tokenizer (each on --device)")
+    up.add_argument("--prefill-replicas", type=int, default=0,
+                    help="prefill/decode disaggregation: replicas that prefill new requests and hand them "
+                         "over after one token through the kvstore (with --decode-replicas; replaces --replicas)")
+    up.add_argument("--decode-replicas", type=int, default=0,
+                    help="replicas that take the handed-over requests, load their pages and decode")
     up.add_argument("--tool-call-parser", default="", choices=["", "hermes", "qwen3_coder"],
                     help="how the model writes tool calls (default hermes: Qwen3's <tool_call>{json}</tool_call>)")
     up.add_argument("--reasoning-parser", default="", choices=["", "none", "qwen3"],

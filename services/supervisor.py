@@ -148,6 +148,7 @@ def start_stack(
     say: Callable[[str], None] = print,
     replicas: int = 1,
     etcd_tls: TlsFiles | None = None,
+    roles: tuple[str, ...] = (),
 ) -> Stack:
     """Start etcd (unless an endpoint is given) and kvstore, worker, scheduler, tokenizer, each
     waiting for the previous one to be ready. On any failure everything started is stopped.
@@ -156,7 +157,9 @@ def start_stack(
     the first pair is named ``worker`` / ``scheduler``, the next ``worker-1`` / ``scheduler-1``,
     ...), one kvstore and one tokenizer routing over all of them. ``etcd_tls``: the etcd started
     here serves TLS and requires client certificates (the services then need ``--tls-*`` flags of
-    the same CA in ``common_args``)."""
+    the same CA in ``common_args``). ``roles``: one scheduler ``--role`` per replica (prefill /
+    decode disaggregation; ``replicas`` is then ``len(roles)``)."""
+    replicas = len(roles) or replicas
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -182,12 +185,13 @@ def start_stack(
         ]
         for i in range(replicas):
             worker, scheduler = ("worker", "scheduler") if i == 0 else (f"worker-{i}", f"scheduler-{i}")
+            role = ("--role", roles[i]) if roles else ()
             specs += [
                 (worker, [*_module("worker"), "--model", str(model), *e, *common_args, *worker_args]),
                 # Its worker's address is known once that worker is ready.
                 (scheduler, functools.partial(
                     _scheduler_argv, stack, worker if replicas > 1 else "",
-                    [*_module("scheduler"), "--tokenizer", str(model), *e, *common_args, *scheduler_args],
+                    [*_module("scheduler"), "--tokenizer", str(model), *e, *common_args, *scheduler_args, *role],
                 )),
             ]
         specs.append((

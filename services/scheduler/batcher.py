@@ -97,6 +97,10 @@ class Batcher:
         self.late_masks_sent = 0  # grammar masks sent after their step (overlap with grammars)
         self.spec: Speculator | None = None  # speculative decoding (set by the loop when on)
         self._drafts: dict[int, list[int]] = {}  # id(req) -> this plan's drafts
+        # Prefill role: requests ended with Finish.HANDOFF, waiting (until the deadline) for their
+        # prompt's pages to reach the kvstore before their end goes out.
+        self.handoffs: list[tuple[Req, float]] = []
+        self.handoff_wait_s = 2.0
 
     @property
     def idle(self) -> bool:
@@ -308,6 +312,8 @@ class Batcher:
         ``drafts + 1`` consecutive samples, told apart by ``rows`` (each sample's row; needed only
         when the plan carries drafts)."""
         self.mem.on_results(list(jobs))
+        if self.handoffs:
+            self.settle_handoffs()
         for req in plan.prefills:
             if req.finished is None and not req.aborted and req.row is not None:
                 self.mem.commit_chunk(req)
@@ -371,6 +377,8 @@ class Batcher:
             return Finish.STOP  # the grammar can only end here (checked apart from ignore_eos)
         if len(req.output) >= g.max_new_tokens or req.seq_len >= self.context_length:
             return Finish.LENGTH
+        if req.handoff:
+            return Finish.HANDOFF
         return None
 
     def finish(self, req: Req, reason: Finish, error: str = "") -> None:
@@ -381,7 +389,22 @@ class Batcher:
             self.running.remove(req)
         elif req in self.waiting:  # retracted while its last sample was in flight
             self.waiting.remove(req)
+        if reason == Finish.HANDOFF:  # ends once its prompt's pages are in the kvstore
+            self.handoffs.append((req, time.monotonic() + self.handoff_wait_s))
+            self.settle_handoffs()
+            return
         req.emit(FinishEvent(reason, len(req.prompt), len(req.output), req.cached_tokens, error))
+
+    def settle_handoffs(self) -> None:
+        """End the handed-over requests whose prompt is as far in the kvstore as it will get (or
+        whose wait ran out: the decode replica then recomputes what is missing)."""
+        now, left = time.monotonic(), []
+        for req, deadline in self.handoffs:
+            if now >= deadline or self.mem.handed_over(req):
+                req.emit(FinishEvent(Finish.HANDOFF, len(req.prompt), len(req.output), req.cached_tokens))
+            else:
+                left.append((req, deadline))
+        self.handoffs = left
 
     def _retract_newest(self, exclude: Req) -> Req | None:
         for victim in reversed(self.running):
@@ -407,7 +430,11 @@ class Batcher:
             self.finish(req, Finish.ABORT)
 
     def fail_all(self, error: str) -> None:
-        """The worker is gone: requeue running requests (their KV is lost) at the front."""
+        """The worker is gone: requeue running requests (their KV is lost) at the front; hand over
+        the handed-over ones now (their puts died with the worker)."""
+        self.handoffs, waiting = [], self.handoffs
+        for req, _ in waiting:
+            req.emit(FinishEvent(Finish.HANDOFF, len(req.prompt), len(req.output), req.cached_tokens))
         for req in reversed(self.running):
             self.waiting.appendleft(req)
         for req in self.waiting:

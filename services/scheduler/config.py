@@ -90,6 +90,13 @@ class SchedulerConfig:
     speculative_min_accepted: float = field(default=1.0, metadata=_h(
         "speculative decoding: a request whose drafts keep fewer tokens per step than this (running mean) "
         "backs off (8, 16, ... 64 decodes)"))
+    role: Literal["both", "prefill", "decode"] = field(default="both", metadata=_h(
+        "prefill/decode disaggregation: 'prefill' ends each new request after its first token once its "
+        "prompt's pages are in the kvstore (the tokenizer goes on with a 'decode' replica, which loads "
+        "them); 'both' serves whole requests; registered in etcd for the tokenizer's router"))
+    handoff_wait_s: float = field(default=2.0, metadata=_h(
+        "prefill role: how long a finished prefill waits for its pages to reach the kvstore before it "
+        "is handed over anyway (the decode replica recomputes what is missing)"))
     check_invariants: bool = field(default=True, metadata=_h("check KV accounting whenever idle"))
     metrics_port: int = field(default=-1, metadata=_h("Prometheus port; -1 = off, 0 = pick"))
     trace_exporter: Literal["none", "console", "file", "otlp"] = field(default="none", metadata=_h("spans"))
@@ -118,6 +125,8 @@ class SchedulerConfig:
             raise ConfigError("l3_lookup_timeout_s: must be > 0")
         if self.hicache_prefetch_timeout_s < 0:
             raise ConfigError("hicache_prefetch_timeout_s: must be >= 0")
+        if self.handoff_wait_s < 0:
+            raise ConfigError("handoff_wait_s: must be >= 0")
         if self.checkpoint_every < 0:
             raise ConfigError("checkpoint_every: must be >= 0 (0 = max_prefill_tokens)")
         try:
@@ -159,4 +168,5 @@ class SchedulerConfig:
                 max_inflight_jobs=self.hicache_max_inflight,
             ),
             spec=self.spec(),
+            handoff_wait_s=self.handoff_wait_s,
         )

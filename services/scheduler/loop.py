@@ -55,6 +55,7 @@ class LoopConfig:
     elastic_min_kv_slots: int = 0  # the KV pool never shrinks below this; 0 = the context length
     hicache: HiConfig = field(default_factory=HiConfig)  # used when the worker has a host pool (and cache is radix)
     spec: SpecConfig = field(default_factory=SpecConfig)  # speculative decoding (off by default)
+    handoff_wait_s: float = 2.0  # prefill role: the longest wait for a prompt's pages to reach L3
 
 
 @dataclass(slots=True)
@@ -107,6 +108,7 @@ class SchedulerLoop:
             fcfs=self.cfg.policy == "fcfs",
         )
         batcher = Batcher(mem, limits, frozenset(info.eos_token_ids), info.context_length)
+        batcher.handoff_wait_s = cfg.handoff_wait_s
         if cfg.spec.algorithm:
             if info.tp_size > 1:
                 log.warning("speculative decoding is off: the worker runs tensor parallel (not supported yet)")

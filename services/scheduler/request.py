@@ -18,6 +18,9 @@ class Finish(enum.Enum):
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
+    # A prefill-role scheduler's end after the first token: the prompt's pages are in the kvstore
+    # and the client goes on with a decode replica (prefill/decode disaggregation).
+    HANDOFF = "handoff"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +96,7 @@ class Req:
     lock: Any = None  # the cache node locked for slots[:cache_len]
     cached_tokens: int = 0  # prompt tokens reused on first admission (reported as usage)
     l3_pages: int = 0  # leading prompt pages the shared store (L3) holds, at submission
+    handoff: bool = False  # a prefill-role scheduler ends this request after its first token (Finish.HANDOFF)
     prefetch: Any = None  # hierarchical cache: this request's L3 prefetch (a PrefetchTracker), once started
     first_admission: bool = True
     sent_history: bool = False

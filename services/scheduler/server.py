@@ -38,15 +38,18 @@ log = logging.getLogger(__name__)
 
 # WatchCache: with no cache change, the load is sent at most this often (when it changed).
 LOAD_INTERVAL_S = 0.05
+DECODE_L3_LOOKUP_S = 1.0  # the decode role's least L3 lookup deadline
 
 _tracer = telemetry.get_tracer(__name__)
 
 
 class SchedulerServicer(sgrpc.SchedulerServicer):
     def __init__(
-        self, loop: SchedulerLoop, tokenizer_dir: str = "", grammar_cache: int = 64, l3: L3Lookup | None = None
+        self, loop: SchedulerLoop, tokenizer_dir: str = "", grammar_cache: int = 64, l3: L3Lookup | None = None,
+        role: str = "both",
     ) -> None:
         self.loop = loop
+        self.role = role
         self.l3 = l3
         self._tokenizer_dir = tokenizer_dir
         self._grammar_cache = grammar_cache
@@ -73,9 +76,11 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
         compiled = await self._grammars.compile(Constraint(kind, getattr(c, kind)))
         return compiled.matcher()
 
-    async def _admit(self, request: spb.GenerateRequest, trace_context: dict[str, str]) -> Req:
+    async def _admit(self, request: spb.GenerateRequest, trace_context: dict[str, str], session: bool = False) -> Req:
         """Validate ``request``, compile its grammar, look up L3 and queue it: the one admission
-        path of ``Generate`` and ``Session``. Raises ``StrataError`` with the status to return."""
+        path of ``Generate`` and ``Session``. Raises ``StrataError`` with the status to return.
+        With the prefill role a new request of a session (not a continuation: no ``output_ids``)
+        that may run past one token is handed over after its first (``RequestEnd.handoff``)."""
         await self.loop.wait_for_worker()
         limits = self.loop.limits()
         ids = list(request.input_ids)
@@ -96,6 +101,7 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
             raise AlreadyExists(f"request_id: {rid!r} is already running")
         seed = gen.seed if gen.seed is not None else secrets.randbits(63)
         req = Req(rid, ids, gen, seed, request.cache_salt, trace_context=trace_context, grammar=matcher, output=output)
+        req.handoff = session and self.role == "prefill" and not output and gen.max_new_tokens > 1
         if self.l3 is not None:
             info = self.loop.info
             assert info is not None
@@ -186,7 +192,7 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
         )  # fmt: skip
         try:
             with use_span(span, end_on_exit=False):  # the L3 lookup's client span hangs under it
-                req = await self._admit(sub.request, telemetry.inject_context())
+                req = await self._admit(sub.request, telemetry.inject_context(), session=True)
         except asyncio.CancelledError:
             span.end()
             raise
@@ -329,17 +335,21 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event, ready: asyncio.Event 
         await ledger.start()
     loop = SchedulerLoop(cfg.loop(), SchedulerMetrics(registry), ledger)
     server = Server(telemetry.server_interceptors())
-    l3 = L3Lookup(cfg.etcd, cfg.l3_lookup_timeout_s) if cfg.etcd and cfg.l3_lookup else None
+    # A decode replica's continuations come with their pages just put by a prefill replica: a miss
+    # there costs a whole prefill, so its lookup may take longer than a cold request's.
+    lookup_s = max(cfg.l3_lookup_timeout_s, DECODE_L3_LOOKUP_S) if cfg.role == "decode" else cfg.l3_lookup_timeout_s
+    l3 = L3Lookup(cfg.etcd, lookup_s) if cfg.etcd and cfg.l3_lookup else None
     if l3 is not None:
         await l3.start()
-    servicer = SchedulerServicer(loop, cfg.tokenizer, cfg.grammar_cache, l3)
+    servicer = SchedulerServicer(loop, cfg.tokenizer, cfg.grammar_cache, l3, cfg.role)
     server.add(sgrpc.add_SchedulerServicer_to_server, servicer, "strata.scheduler.v1.Scheduler")
     port = await server.start(f"{cfg.host}:{cfg.port}")
     address = advertised_address(cfg.host, port, cfg.advertise_host)
     metrics = serve_metrics(cfg.metrics_port, cfg.host, registry)
     registration = None
     if cfg.etcd:
-        record = ServiceRecord("scheduler", cfg.instance_id or f"scheduler-{port}", address, model=cfg.model)
+        record = ServiceRecord("scheduler", cfg.instance_id or f"scheduler-{port}", address, model=cfg.model,
+                               role=cfg.role)
         registration = Registration(cfg.etcd, record)
         await registration.start()
     tasks = [

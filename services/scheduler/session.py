@@ -166,6 +166,9 @@ class Session:
                     prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
                     cached_tokens=ev.cached_tokens,
                 )  # fmt: skip
+                if ev.reason == Finish.HANDOFF:
+                    msg.ends.append(spb.RequestEnd(handle=handle, usage=usage, handoff=True))
+                    continue
                 msg.ends.append(spb.RequestEnd(
                     handle=handle, finish_reason=FINISH_PB[ev.reason], usage=usage, error=ev.error
                 ))  # fmt: skip

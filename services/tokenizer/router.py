@@ -3,6 +3,11 @@ policy (``kv_index``): ``kv`` routes to the replica whose cache holds most of th
 against its load, from each scheduler's ``WatchCache`` stream; ``least_load`` and ``round_robin``
 ignore the cache.
 
+Prefill/decode disaggregation: each scheduler registers a role (``both``, ``prefill``, ``decode``).
+A new request goes to a replica that prefills (``prefill`` or ``both``), a continuation (after a
+prefill replica's hand-over, or a resume) to one that decodes (``decode`` or ``both``); where no
+replica has the role wanted, any serves.
+
 With discovery the router follows every scheduler of the model: one ``WatchCache`` stream each,
 started when it registers and dropped (with its pages) when its lease goes. A stream that breaks
 or shows a gap clears that replica's pages and subscribes again (a new snapshot) after a short
@@ -128,12 +133,19 @@ class Router:
             await asyncio.sleep(delay)
             delay = min(delay * 2, WATCH_RETRY_S[1])
 
-    def _addresses(self) -> list[str]:
+    def _addresses(self, role: str = "") -> list[str]:
+        """The schedulers of the model; with ``role``, those that serve it (if there are any)."""
         if self._fixed:
             return [self._fixed]
         assert self._discovery is not None
-        recs = self._discovery.members().values()
-        return sorted(r.address for r in recs if not self._model or not r.model or r.model == self._model)
+        model = self._model
+        recs = [r for r in self._discovery.members().values() if not model or not r.model or r.model == model]
+        serving = [r for r in recs if r.role in ("", "both", role)] if role else recs
+        return sorted(r.address for r in (serving or recs))
+
+    def disaggregated(self) -> bool:
+        """Whether some scheduler prefills only (its requests are handed over after one token)."""
+        return self._discovery is not None and any(r.role == "prefill" for r in self._discovery.members().values())
 
     def count(self) -> int:
         return len(self._addresses())
@@ -143,14 +155,16 @@ class Router:
         self._aside[address] = time.monotonic() + SET_ASIDE_S
 
     async def pick(
-        self, exclude: set[str] | frozenset[str] = frozenset(), tokens: Sequence[int] = (), salt: str = ""
+        self, exclude: set[str] | frozenset[str] = frozenset(), tokens: Sequence[int] = (), salt: str = "",
+        role: str = "",
     ) -> tuple[Ticket, SchedulerSession]:
         """A scheduler for a request of ``tokens`` (its prompt) by the policy, among those not in
-        ``exclude`` and not set aside (unless all are); waits up to ``wait_s`` for one to register,
-        then raises UNAVAILABLE. Call ``Ticket.first_token`` and ``Ticket.finish`` as it runs.
-        Returns the ticket and the session (one multiplexed stream) to submit the request on."""
+        ``exclude`` and not set aside (unless all are), serving ``role`` where one does; waits up to
+        ``wait_s`` for one to register, then raises UNAVAILABLE. Call ``Ticket.first_token`` and
+        ``Ticket.finish`` as it runs. Returns the ticket and the session (one multiplexed stream) to
+        submit the request on."""
         deadline = time.monotonic() + self._wait_s
-        while not (addresses := [a for a in self._addresses() if a not in exclude]):
+        while not (addresses := [a for a in self._addresses(role) if a not in exclude]):
             if time.monotonic() > deadline:
                 raise Unavailable(f"no scheduler registered within {self._wait_s:g}s")
             await asyncio.sleep(0.1)

@@ -83,6 +83,9 @@ class TokenizerMetrics:
         self.resumed = m.counter(
             "resumed_requests", "Requests that went on on another (or a restarted) scheduler after theirs was lost.", M
         )
+        self.handoffs = m.counter(
+            "handed_over_requests", "Requests a prefill replica handed to a decode replica after one token.", M
+        )
         self.index_pages = m.gauge("router_index_pages", "Page keys in the router's cache index (every replica).")
         self.model = model
         self._itl = self.itl_seconds.labels(model)  # observed per chunk: the labelled child, looked up once
@@ -261,14 +264,16 @@ class StrataServicer(pgrpc.StrataServicer):
         cached: int | None = None  # cached prompt tokens where the request started (once resumed)
         progressed = False  # tokens came from the current scheduler (a lost one is then resumed from them)
         try:
-            inbox, chunk, ticket = await self._open(rid, sreq, trace_context, timeout_s, tried)
+            inbox, chunk, ticket = await self._open(rid, sreq, trace_context, timeout_s, tried, role="prefill")
             span.set_attribute("strata.replica", ticket.choice.address)
             span.set_attribute("strata.predicted_cached_tokens", ticket.choice.overlap_tokens)
             while True:
                 final = pb.GenerateResponse(request_id=rid)
                 end = chunk.end
                 failure = end if end is not None and end.status_code else None
-                if failure is not None:
+                # A prefill replica's hand-over: its tokens go out, then a decode replica goes on.
+                handoff = end is not None and end.handoff and failure is None
+                if failure is not None or handoff:
                     end = None  # its tokens (sampled before it failed) still go out first
                 progressed = progressed or bool(chunk.token_ids)
                 resume = failure is not None and self._resumable(chunk, failure, ticket, tried, progressed)
@@ -305,7 +310,7 @@ class StrataServicer(pgrpc.StrataServicer):
                     span.set_status(Status(StatusCode.ERROR, f"{code.name}: {failure.error}"))
                     raise Relay(code, failure.error or code.name)
                 if request.stream:
-                    if final.token_ids or final.finish_reason or not resume:
+                    if final.token_ids or final.finish_reason or not (resume or handoff):
                         yield final
                 else:
                     all_ids += final.token_ids
@@ -328,24 +333,28 @@ class StrataServicer(pgrpc.StrataServicer):
                             error=final.error,
                         )
                     return
-                if resume:
-                    # The scheduler died (or lost its worker for good) mid-stream: the same request
-                    # goes on from the tokens already streamed, on another replica or the restarted one.
-                    log.info("request %s: scheduler %s %s after %d tokens; resuming", rid, ticket.choice.address,
-                             "lost" if chunk.lost else "has no worker", len(streamed))  # fmt: skip
+                if resume or handoff:
+                    # The scheduler died (or lost its worker for good) mid-stream, or a prefill replica
+                    # handed the request over: it goes on from the tokens already streamed, on another
+                    # replica (a decode one after a hand-over) or the restarted one.
+                    if resume:
+                        why = "lost" if chunk.lost else "has no worker"
+                        log.info("request %s: scheduler %s %s after %d tokens; resuming", rid, ticket.choice.address,
+                                 why, len(streamed))  # fmt: skip
                     if cached is None and streamed:
                         cached = inbox.cached_tokens
                     inbox.close()
                     ticket.finish()
-                    if chunk.lost:
+                    if resume and chunk.lost:
                         self.router.set_aside(ticket.choice.address)
                     left = None if timeout_s is None else max(timeout_s - (time.perf_counter() - t0), 0.001)
                     cont = _continuation(sreq, streamed, gen.max_new_tokens)
-                    inbox, chunk, ticket = await self._open(rid, cont, trace_context, left, tried)
+                    inbox, chunk, ticket = await self._open(rid, cont, trace_context, left, tried, role="decode")
                     progressed = False
                     if self.metrics is not None:
-                        self.metrics.resumed.labels(self.metrics.model).inc()
-                    span.add_event("resumed", {"strata.replica": ticket.choice.address, "strata.tokens": len(streamed)})
+                        (self.metrics.handoffs if handoff else self.metrics.resumed).labels(self.metrics.model).inc()
+                    span.add_event("handed over" if handoff else "resumed",
+                                   {"strata.replica": ticket.choice.address, "strata.tokens": len(streamed)})
                     continue
                 chunk = await inbox.next()
         finally:
@@ -373,7 +382,7 @@ class StrataServicer(pgrpc.StrataServicer):
 
     async def _open(
         self, rid: str, sreq: spb.GenerateRequest, trace_context: dict[str, str], timeout_s: float | None,
-        tried: set[str],
+        tried: set[str], role: str = "",
     ) -> tuple[Inbox, Chunk, Ticket]:
         """Submit ``sreq`` to a scheduler and wait for its first chunk. A scheduler that answers
         nothing before its session breaks (dead: still registered until its lease ends, or not yet
@@ -386,7 +395,7 @@ class StrataServicer(pgrpc.StrataServicer):
         lost = False
         tokens = [*sreq.input_ids, *sreq.output_ids]
         while True:
-            ticket, session = await self.router.pick(exclude=tried, tokens=tokens, salt=sreq.cache_salt)
+            ticket, session = await self.router.pick(exclude=tried, tokens=tokens, salt=sreq.cache_salt, role=role)
             address = ticket.choice.address
             self._running[rid] = address
             # The client's deadline goes with the request: the scheduler drops it when it passes.

@@ -231,6 +231,12 @@ class Memory:
         if self.host is not None:
             self.host.on_results(results)
 
+    def handed_over(self, req: Req) -> bool:
+        """Whether ``req``'s prompt is as far in the kvstore (L3) as it will get: every whole page
+        of it acknowledged there, or no host / L3 job left that could add one (no host tier, a
+        backup refused, pages evicted first). A prefill-role scheduler ends the request then."""
+        return self.host is None or self.host.in_l3(CacheKey(req.prompt, req.cache_salt))
+
     @property
     def pending(self) -> bool:
         """Memory will come free without any request finishing (host jobs in flight or queued)."""

@@ -76,6 +76,11 @@ class HostTier(Protocol):
         """Whether ``req`` should wait for its L3 prefetch (starting one when it pays)."""
         ...
 
+    def in_l3(self, key: CacheKey) -> bool:
+        """Whether ``key``'s whole pages are as far in L3 as they will get: all acknowledged
+        there, or no job left that could add one (no L3, a refused backup, evicted pages)."""
+        ...
+
     def cached(self, key: CacheKey) -> None:
         """``key``'s whole pages (and, with states, the state after them) just entered the tree."""
         ...

@@ -122,6 +122,11 @@ class HostTier:
         _, q = self._reach(keys, n, self._kv_reach(key, n))
         return (self._load(req, key, keys, q) or n) if q else n
 
+    def in_l3(self, key: CacheKey) -> bool:
+        if not self.l3 or not self.memory_pending:
+            return True
+        return all((e := self.kv_host.get(k)) is not None and e.l3 for k in self._hashes(key))
+
     def prefix_len(self, key: CacheKey) -> int:
         n = self.tree.match(key, touch=False).length
         _, q = self._reach(self._hashes(key), n, self._kv_reach(key, n))
