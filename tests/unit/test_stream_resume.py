@@ -53,12 +53,14 @@ class Scheduler:
 class Replicas(Router):
     """A router over scripted schedulers (round-robin from the first)."""
 
-    def __init__(self, schedulers: dict[str, Scheduler]) -> None:
+    def __init__(self, schedulers: dict[str, Scheduler], roles: dict[str, str] | None = None) -> None:
         super().__init__(fixed="-", policy="round_robin", wait_s=0.2)
         self.schedulers = schedulers
+        self.roles = roles or {}
 
-    def _addresses(self) -> list[str]:
-        return sorted(self.schedulers)
+    def _addresses(self, role: str = "") -> list[str]:
+        serving = [a for a in self.schedulers if self.roles.get(a, "both") in ("both", role)] if role else []
+        return sorted(serving or self.schedulers)
 
     def session(self, address: str) -> Scheduler:  # type: ignore[override]
         return self.schedulers[address]
@@ -112,6 +114,33 @@ def test_a_lost_scheduler_s_stream_goes_on_on_another_from_its_tokens() -> None:
     assert list(cont.input_ids) == [5, 6, 7] and list(cont.output_ids) == [10, 11]
     assert cont.sampling.seed == orig.sampling.seed and list(cont.sampling.stop) == ["w99"]
     assert cont.sampling.max_new_tokens == 6 and cont.request_id == orig.request_id
+
+
+def test_a_handed_over_request_goes_on_on_a_decode_replica() -> None:
+    """Prefill/decode disaggregation (issue #31): the prefill replica ends the request after its
+    first token with ``handoff``; the tokenizer continues it on the decode replica (prompt, the
+    token so far as output_ids, the same seed); the client sees one stream, usage of the whole."""
+
+    def prefill(sreq: spb.GenerateRequest) -> list[Chunk]:
+        usage = pb.Usage(prompt_tokens=3, completion_tokens=1, cached_tokens=2)
+        return [Chunk([10]), Chunk(end=spb.RequestEnd(usage=usage, handoff=True))]
+
+    def decode(sreq: spb.GenerateRequest) -> list[Chunk]:
+        end = finished(11, 12, 13, cached=3)
+        end[0].end.usage.completion_tokens = 4  # type: ignore[union-attr]
+        return end
+
+    # "a" would come first by name (round-robin): the roles, not the order, put the prefill on "p".
+    p, d = Scheduler(prefill), Scheduler(decode)
+    out = _generate(Replicas({"a": d, "p": p}, roles={"a": "decode", "p": "prefill"}), _request(4, temperature=0.7))
+    assert [t for r in out for t in r.token_ids] == [10, 11, 12, 13]
+    assert all(r.token_ids or r.finish_reason for r in out)  # the hand-over sends no empty message
+    assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    # cached: where it began (the prefill side's started message; none in this script), not the decode side's 3
+    assert (out[-1].usage.completion_tokens, out[-1].usage.cached_tokens) == (4, 0)
+    (orig,), (cont,) = p.submitted, d.submitted
+    assert list(cont.input_ids) == [5, 6, 7] and list(cont.output_ids) == [10]
+    assert cont.sampling.seed == orig.sampling.seed and cont.request_id == orig.request_id
 
 
 def test_a_lost_scheduler_is_submitted_again_until_it_is_back() -> None:
