@@ -121,6 +121,24 @@ def test_compose_tls_overlay_encrypts_every_hop(tmp_path: Path) -> None:
     assert {"etcd", *strata} <= set(names), names
 
 
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="Debian's docker-compose is not installed")
+def test_compose_pd_overlay_gives_each_replica_a_role() -> None:
+    """compose.pd.yaml on top of compose.yaml: one prefill and one decode replica (issue #31), the
+    rest of each scheduler's command as in the base file, the hierarchical cache on both workers."""
+    base, pd = (
+        yaml.safe_load(subprocess.run(["docker-compose", *files, "config"], capture_output=True, text=True,
+                                      cwd=REPO, check=True).stdout)["services"]
+        for files in (["-f", "compose.yaml"], ["-f", "compose.yaml", "-f", "compose.pd.yaml"])
+    )  # fmt: skip
+    assert set(pd) == set(base)
+    for name, role in (("scheduler", "prefill"), ("scheduler-1", "decode")):
+        command = pd[name]["command"]
+        assert command[command.index("--role") + 1] == role
+        assert command[: command.index("--role")] == base[name]["command"], name
+    for name in ("worker", "worker-1"):
+        assert pd[name]["command"][pd[name]["command"].index("--l3") + 1] == "true"
+
+
 @pytest.mark.parametrize(
     ("text", "want"),
     [("67108864", 64 << 20), ("64MiB", 64 << 20), ("2GiB", 2 << 30), ("1.5GB", 1_500_000_000), ("512k", 512 << 10)],
