@@ -14,7 +14,7 @@ PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := strata/.generated
 PORT ?= 50051
 
-.PHONY: fuzz native bench-attention gpu-check gpu-wheels run test test-unit test-engine test-services test-all soak bench bench-servers bench-vllm bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas bench-tp bench-overhead bench-spec soak-hicache soak-text compose-certs lint protos install system-deps models clean
+.PHONY: fuzz native bench-attention gpu-check gpu-wheels run test test-unit test-engine test-services test-all soak bench bench-servers bench-vllm bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas bench-tp bench-overhead bench-spec bench-pd soak-hicache soak-text compose-certs lint protos install system-deps models clean
 
 run: install models
 	$(BIN)/strata up --model $(TINY) --port $(PORT)
@@ -105,6 +105,11 @@ bench-hicache: install $(BENCH_MODEL)/config.json
 
 # Attention paths (reference, flat, cascade; gathered or native) on the bench model's shapes against
 # the floor measured in the same run (~1 min); prints a table.
+# Prefill/decode disaggregation (issue #31): decode ITL under long prompts, PD (1 + 1) vs two
+# co-located replicas, alternated (~8 min on 2 cores); writes docs/bench/pd.json.
+bench-pd: install $(BENCH_MODEL)/config.json
+	$(BIN)/python -m benchmarks.pd --model $(BENCH_MODEL) --out docs/bench/pd.json
+
 bench-attention: install
 	$(BIN)/python benchmarks/attention_micro.py
 

@@ -1,0 +1,261 @@
+"""Prefill/decode disaggregation against two co-located replicas: decode ITL under long prompts.
+
+    make bench-pd        (python -m benchmarks.pd --model models/qwen3-bench)
+
+Two stacks on the same machine, alternated ``--repeats`` times: **pd** (``strata up
+--prefill-replicas 1 --decode-replicas 1``: one replica prefills, hands each request over through
+the kvstore after its first token, the other decodes) and **colocated** (``--replicas 2``: both
+prefill and decode, the router spreading requests by cache and load). Both with the hierarchical
+cache on (host pool + kvstore), greedy, ``ignore_eos``.
+
+Each run: ``--streams`` decode streams (``--short-len``-token prompts, ``--stream-tokens`` out,
+each restarted when it ends) run for ``--phase-s`` seconds alone (**quiet**), then for
+``--phase-s`` more while a ``--long-len``-token prompt (``--long-tokens`` out) arrives every
+``--interval-s`` (**burst**). Reported per configuration, median over repeats: the decode
+streams' inter-token latency p50 / p99 in each phase (gaps between a stream's token messages,
+divided by the tokens in the later one; from the second token on), the gap after each stream's
+first token apart (with PD: the hand-over), the burst / quiet ratio of p99 (the issue's goal: PD's
+<= 1.5), the long prompts' TTFT and the gap after their first token (the hand-over's cost with
+PD), bytes moved through the kvstore per long-prompt token (pages put + pages read, from its
+metrics), and each process's CPU.
+
+On a 2-core machine both replicas share the same cores in both configurations: what PD can
+separate is the step (a decode step never waits for a prefill chunk), not the processors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+
+from services.common.etcd_proc import free_port  # noqa: E402
+from services.supervisor import Stack, start_stack  # noqa: E402
+from strata.v1 import strata_pb2 as pb  # noqa: E402
+from strata.v1 import strata_pb2_grpc as pgrpc  # noqa: E402
+
+CONFIGS = ("pd", "colocated")
+HOST_PAGE_TOKENS = 64
+GOAL_P99_RATIO = 1.5  # issue #31: PD's ITL p99 under the burst over its quiet ITL p99
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    model: Path
+    streams: int = 8
+    short_len: int = 64
+    stream_tokens: int = 64
+    long_len: int = 4096
+    long_tokens: int = 8
+    interval_s: float = 1.0
+    phase_s: float = 20.0
+    repeats: int = 2
+    kv_cache_bytes: str = "512MiB"
+    host_cache_bytes: str = "1GiB"
+    max_prefill_tokens: int = 2048
+
+
+@dataclass(slots=True)
+class Run:
+    config: str
+    repeat: int
+    itl_quiet_ms: dict[str, float] = field(default_factory=dict)  # p50, p99
+    itl_burst_ms: dict[str, float] = field(default_factory=dict)
+    p99_ratio: float = 0.0
+    stream_second_token_ms: float = 0.0  # median gap after a decode stream's first token (PD: the hand-over)
+    long_requests: int = 0
+    long_ttft_ms: float = 0.0  # median
+    long_second_token_ms: float = 0.0  # median gap after the first token (PD: the hand-over)
+    kv_bytes_per_long_token: float = 0.0
+    decode_tokens: int = 0
+    failed: int = 0
+    cpu_s: dict[str, float] = field(default_factory=dict)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _stack(cfg: Config, name: str, run_dir: Path) -> Stack:
+    worker = ("--kv-cache-bytes", cfg.kv_cache_bytes, "--host-cache-bytes", cfg.host_cache_bytes, "--l3", "true")
+    scheduler = ("--max-prefill-tokens", str(cfg.max_prefill_tokens))
+    roles = ("prefill", "decode") if name == "pd" else ()
+    return start_stack(cfg.model, free_port(), run_dir / name, worker_args=worker, scheduler_args=scheduler,
+                       common_args=("--metrics-port", "0"), replicas=2, roles=roles, say=lambda _: None)  # fmt: skip
+
+
+def _kvstore_pages(stack: Stack) -> float:
+    text = urllib.request.urlopen(f"http://{stack.child('kvstore').extra['metrics']}/metrics", timeout=5).read()
+    got = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.decode().splitlines() if ln.startswith("strata_")}
+    return got.get("strata_kvstore_pages", 0.0) + got.get("strata_kvstore_hits", 0.0)
+
+
+def _kv_bytes_per_token(model: Path) -> int:
+    c = json.loads((model / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 4
+
+
+def _cpu(stack: Stack) -> dict[str, float]:
+    import psutil
+
+    out = {}
+    for child in stack.children:
+        if child.proc is not None and child.proc.poll() is None:
+            t = psutil.Process(child.proc.pid).cpu_times()
+            out[child.name] = t.user + t.system
+    return out
+
+
+async def _one(stub: pgrpc.StrataStub, ids: list[int], n: int) -> list[tuple[float, int]]:
+    """(arrival time, tokens) of each message of a greedy stream of ``n`` tokens."""
+    sampling = pb.SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+    req = pb.GenerateRequest(input_ids=pb.TokenIds(ids=ids), stream=True, sampling=sampling)
+    out = [(time.perf_counter(), 0)]
+    async for m in stub.Generate(req, timeout=600):
+        if m.token_ids:
+            out.append((time.perf_counter(), len(m.token_ids)))
+    return out
+
+
+async def _measure(cfg: Config, stack: Stack, name: str, repeat: int, rng: random.Random) -> Run:
+    run = Run(name, repeat)
+    vocab = json.loads((cfg.model / "config.json").read_text())["vocab_size"]
+    ids = lambda n: [rng.randrange(3, min(vocab, 8000)) for _ in range(n)]  # noqa: E731
+    t0 = time.perf_counter()
+    burst_at, end_at = t0 + cfg.phase_s, t0 + 2 * cfg.phase_s
+    gaps: dict[str, list[float]] = {"quiet": [], "burst": []}
+    second: list[float] = []  # each decode stream's gap after its first token (PD: the hand-over)
+    longs: list[list[tuple[float, int]]] = []
+    cpu0, pages0 = _cpu(stack), _kvstore_pages(stack)
+    async with grpc.aio.insecure_channel(stack.child("tokenizer").address) as ch:
+        stub = pgrpc.StrataStub(ch)
+
+        async def stream_loop() -> None:
+            while time.perf_counter() < end_at:
+                try:
+                    msgs = await _one(stub, ids(cfg.short_len), cfg.stream_tokens)
+                except grpc.aio.AioRpcError:
+                    run.failed += 1
+                    continue
+                run.decode_tokens += sum(n for _, n in msgs)
+                if len(msgs) > 2:
+                    second.append(msgs[2][0] - msgs[1][0])
+                for (ta, _), (tb, n) in itertools.pairwise(msgs[2:]):  # decoding (the first gap: above)
+                    gaps["burst" if ta >= burst_at else "quiet"].append((tb - ta) / n)
+
+        async def burst_loop() -> None:
+            await asyncio.sleep(max(burst_at - time.perf_counter(), 0))
+            tasks = []
+            while time.perf_counter() < end_at - cfg.interval_s:
+                tasks.append(asyncio.create_task(_one(stub, ids(cfg.long_len), cfg.long_tokens)))
+                await asyncio.sleep(cfg.interval_s)
+            for t in tasks:
+                try:
+                    longs.append(await t)
+                except grpc.aio.AioRpcError:
+                    run.failed += 1
+
+        await asyncio.gather(burst_loop(), *(stream_loop() for _ in range(cfg.streams)))
+    cpu1 = _cpu(stack)
+    run.cpu_s = {k: round(cpu1[k] - cpu0.get(k, 0.0), 2) for k in cpu1}
+    for phase, out in (("quiet", run.itl_quiet_ms), ("burst", run.itl_burst_ms)):
+        out |= {"p50": _pct(gaps[phase], 0.5) * 1e3, "p99": _pct(gaps[phase], 0.99) * 1e3}
+    run.p99_ratio = run.itl_burst_ms["p99"] / run.itl_quiet_ms["p99"] if run.itl_quiet_ms["p99"] else 0.0
+    run.stream_second_token_ms = statistics.median(second) * 1e3 if second else 0.0
+    run.long_requests = len(longs)
+    if longs:
+        run.long_ttft_ms = statistics.median(m[1][0] - m[0][0] for m in longs if len(m) > 1) * 1e3
+        seconds = [m[2][0] - m[1][0] for m in longs if len(m) > 2]
+        run.long_second_token_ms = statistics.median(seconds) * 1e3 if seconds else 0.0
+        moved = (_kvstore_pages(stack) - pages0) * HOST_PAGE_TOKENS * _kv_bytes_per_token(cfg.model)
+        run.kv_bytes_per_long_token = moved / (len(longs) * cfg.long_len)
+    return run
+
+
+def table(runs: list[Run]) -> str:
+    rows = ["| config | ITL p50 quiet / burst ms | ITL p99 quiet / burst ms | p99 burst / quiet | long TTFT ms | "
+            "gap after 1st token ms: streams / long | kvstore bytes per long-prompt token | decode tokens | failed |",
+            "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name in CONFIGS:
+        rs = [r for r in runs if r.config == name]
+        if not rs:
+            continue
+
+        def med(f: Any, rs: list[Run] = rs) -> float:
+            return statistics.median(f(r) for r in rs)
+
+        ratios = sorted(r.p99_ratio for r in rs)
+        rows.append(
+            f"| {name} | {med(lambda r: r.itl_quiet_ms['p50']):.1f} / {med(lambda r: r.itl_burst_ms['p50']):.1f} | "
+            f"{med(lambda r: r.itl_quiet_ms['p99']):.1f} / {med(lambda r: r.itl_burst_ms['p99']):.1f} | "
+            f"{med(lambda r: r.p99_ratio):.2f} ({ratios[0]:.2f}–{ratios[-1]:.2f}) | "
+            f"{med(lambda r: r.long_ttft_ms):.0f} | "
+            f"{med(lambda r: r.stream_second_token_ms):.0f} / {med(lambda r: r.long_second_token_ms):.0f} | "
+            f"{med(lambda r: r.kv_bytes_per_long_token):.0f} | "
+            f"{med(lambda r: r.decode_tokens):.0f} | {sum(r.failed for r in rs)} |"
+        )  # fmt: skip
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = Config(Path())
+    p.add_argument("--model", type=Path, default=ROOT / "models" / "qwen3-bench")
+    for name in ("streams", "short_len", "stream_tokens", "long_len", "long_tokens", "repeats", "max_prefill_tokens"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    for name in ("interval_s", "phase_s"):
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+    p.add_argument("--kv-cache-bytes", default=d.kv_cache_bytes)
+    p.add_argument("--host-cache-bytes", default=d.host_cache_bytes)
+    p.add_argument("--only", choices=CONFIGS, default=None, help="one configuration")
+    p.add_argument("--out", type=Path, default=None, help="write the runs as JSON here")
+    p.add_argument("--run-dir", type=Path, default=None, help="the services' logs (default: a temporary folder)")
+    a = p.parse_args(argv)
+    cfg = Config(a.model, a.streams, a.short_len, a.stream_tokens, a.long_len, a.long_tokens, a.interval_s,
+                 a.phase_s, a.repeats, a.kv_cache_bytes, a.host_cache_bytes, a.max_prefill_tokens)  # fmt: skip
+    run_dir = a.run_dir or Path(tempfile.mkdtemp(prefix="strata-pd-"))
+    names = [a.only] if a.only else list(CONFIGS)
+    runs: list[Run] = []
+    rng = random.Random(0)
+    for repeat in range(cfg.repeats):
+        for name in names if repeat % 2 == 0 else reversed(names):  # A B B A: alternated
+            print(f"[pd] {name} #{repeat + 1}: starting the stack (logs in {run_dir / name})", flush=True)
+            stack = _stack(cfg, name, run_dir)
+            try:
+                asyncio.run(_measure(cfg, stack, name, repeat, random.Random(rng.random())))  # warm-up, unrecorded
+                run = asyncio.run(_measure(cfg, stack, name, repeat, random.Random(rng.random())))
+            finally:
+                stack.stop()
+            runs.append(run)
+            print(f"[pd] {name} #{repeat + 1}: ITL p99 quiet {run.itl_quiet_ms['p99']:.1f} ms, burst "
+                  f"{run.itl_burst_ms['p99']:.1f} ms ({run.p99_ratio:.2f}x); {run.long_requests} long prompts, "
+                  f"TTFT {run.long_ttft_ms:.0f} ms, failed {run.failed}", flush=True)  # fmt: skip
+    print(table(runs))
+    if a.out is not None:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps({"config": {k: str(v) for k, v in asdict(cfg).items()},
+                                     "runs": [asdict(r) for r in runs]}, indent=1) + "\n")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
