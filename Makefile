@@ -103,13 +103,13 @@ soak-hicache: install models
 bench-hicache: install $(BENCH_MODEL)/config.json
 	$(BIN)/python -m benchmarks.hicache --model $(BENCH_MODEL)
 
-# Attention paths (reference, flat, cascade; gathered or native) on the bench model's shapes against
-# the floor measured in the same run (~1 min); prints a table.
 # Prefill/decode disaggregation (issue #31): decode ITL under long prompts, PD (1 + 1) vs two
 # co-located replicas, alternated (~8 min on 2 cores); writes docs/bench/pd.json.
 bench-pd: install $(BENCH_MODEL)/config.json
 	$(BIN)/python -m benchmarks.pd --model $(BENCH_MODEL) --out docs/bench/pd.json
 
+# Attention paths (reference, flat, cascade; gathered or native) on the bench model's shapes against
+# the floor measured in the same run (~1 min); prints a table.
 bench-attention: install
 	$(BIN)/python benchmarks/attention_micro.py
 
