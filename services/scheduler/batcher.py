@@ -99,8 +99,10 @@ class Batcher:
         self._drafts: dict[int, list[int]] = {}  # id(req) -> this plan's drafts
         # Prefill role: requests ended with Finish.HANDOFF, waiting (until the deadline) for their
         # prompt's pages to reach the kvstore before their end goes out.
-        self.handoffs: list[tuple[Req, float]] = []
+        self.handoffs: list[tuple[Req, float, float]] = []  # (request, since, deadline)
         self.handoff_wait_s = 2.0
+        # (seconds waited, pages stored) of recent hand-overs, drained by the metrics (bounded without them).
+        self.handed_over: deque[tuple[float, bool]] = deque(maxlen=1024)
 
     @property
     def idle(self) -> bool:
@@ -390,7 +392,8 @@ class Batcher:
         elif req in self.waiting:  # retracted while its last sample was in flight
             self.waiting.remove(req)
         if reason == Finish.HANDOFF:  # ends once its prompt's pages are in the kvstore
-            self.handoffs.append((req, time.monotonic() + self.handoff_wait_s))
+            now = time.monotonic()
+            self.handoffs.append((req, now, now + self.handoff_wait_s))
             self.settle_handoffs()
             return
         req.emit(FinishEvent(reason, len(req.prompt), len(req.output), req.cached_tokens, error))
@@ -399,11 +402,13 @@ class Batcher:
         """End the handed-over requests whose prompt is as far in the kvstore as it will get (or
         whose wait ran out: the decode replica then recomputes what is missing)."""
         now, left = time.monotonic(), []
-        for req, deadline in self.handoffs:
-            if now >= deadline or self.mem.handed_over(req):
+        for req, since, deadline in self.handoffs:
+            stored = self.mem.handed_over(req)
+            if stored or now >= deadline:
+                self.handed_over.append((now - since, stored))
                 req.emit(FinishEvent(Finish.HANDOFF, len(req.prompt), len(req.output), req.cached_tokens))
             else:
-                left.append((req, deadline))
+                left.append((req, since, deadline))
         self.handoffs = left
 
     def _retract_newest(self, exclude: Req) -> Req | None:
@@ -433,7 +438,8 @@ class Batcher:
         """The worker is gone: requeue running requests (their KV is lost) at the front; hand over
         the handed-over ones now (their puts died with the worker)."""
         self.handoffs, waiting = [], self.handoffs
-        for req, _ in waiting:
+        for req, since, _ in waiting:
+            self.handed_over.append((time.monotonic() - since, False))
             req.emit(FinishEvent(Finish.HANDOFF, len(req.prompt), len(req.output), req.cached_tokens))
         for req in reversed(self.running):
             self.waiting.appendleft(req)

@@ -29,6 +29,13 @@ class SchedulerMetrics:
         self.cache_hit_tokens = m.counter("cache_hit_tokens", "Prompt tokens reused from a cache.", ["tier"])
         self.generated_tokens = m.counter("generated_tokens", "Tokens sampled.")
         self.retractions = m.counter("retractions", "Requests preempted to free KV memory.")
+        self.handoffs = m.counter(
+            "handoffs", "Prefill role: requests handed over after their first token; outcome: stored (the prompt's "
+            "pages are in the kvstore) or timeout (--handoff-wait-s passed, or the worker was lost).", ("outcome",),
+        )  # fmt: skip
+        self.handoff_seconds = m.histogram(
+            "handoff_seconds", "Prefill role: from a request's first token to its hand-over (its pages in the kvstore)."
+        )
         self.evicted_slots = m.counter("evicted_slots", "KV slots evicted from the prefix cache.")
         self.step_seconds = m.histogram("step_seconds", "Wall time of one step as seen by the scheduler.")
         self.queue_seconds = m.histogram(
@@ -92,6 +99,10 @@ class SchedulerMetrics:
             self._last_spec = self._count(self.spec_events, sums, self._last_spec)
             self.spec_draft_seconds.inc(c.draft_s - self._last_draft_s)
             self._last_draft_s = c.draft_s
+        for waited, stored in batcher.handed_over:
+            self.handoffs.labels("stored" if stored else "timeout").inc()
+            self.handoff_seconds.observe(waited)
+        batcher.handed_over.clear()
         self.generated_tokens.inc(len(result.outputs))
         self.step_seconds.observe(step_s)
         self.worker_forward_seconds.observe(result.forward_s)

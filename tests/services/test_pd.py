@@ -44,12 +44,16 @@ def _load(address: str) -> spb.Load:
         return sgrpc.SchedulerStub(ch).GetLoad(spb.GetLoadRequest(), timeout=5)
 
 
-def _metric(stack: Stack, service: str, name: str) -> float:
-    """A Prometheus counter of ``service`` (summed over its labels)."""
+def _metrics_text(stack: Stack, service: str) -> str:
     import urllib.request
 
-    text = urllib.request.urlopen(f"http://{stack.child(service).extra['metrics']}/metrics", timeout=5).read()
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.decode().splitlines() if ln.startswith(name + "{"))
+    return urllib.request.urlopen(f"http://{stack.child(service).extra['metrics']}/metrics", timeout=5).read().decode()
+
+
+def _metric(stack: Stack, service: str, name: str) -> float:
+    """A Prometheus counter of ``service`` (summed over its labels)."""
+    text = _metrics_text(stack, service)
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(name + "{"))
 
 
 def _pd_stack(model: Path, tmp: Path) -> Stack:
@@ -78,6 +82,10 @@ def test_dense_requests_are_prefilled_handed_over_and_decoded_exactly(dense: Sta
     # Every request was handed over once; the decode replica decoded them and did not prefill the
     # prompts' whole pages again: it loaded them (L3 prefetch), the rest it computed.
     assert _metric(dense, "tokenizer", "strata_tokenizer_handed_over_requests_total") == len(prompts)
+    # ... each once its pages were acknowledged in the kvstore, none by the deadline
+    assert _metric(dense, "scheduler", "strata_scheduler_handoffs_total") == len(prompts)
+    text = _metrics_text(dense, "scheduler")
+    assert f'strata_scheduler_handoffs_total{{outcome="stored"}} {float(len(prompts))}' in text, text
     prefill, decode = _load(dense.child("scheduler").address), _load(dense.child("scheduler-1").address)
     assert prefill.prompt_tokens >= sum(map(len, prompts)) - 2 * PAGE  # the shared system prompt once
     whole = sum(len(p) // PAGE * PAGE for p in prompts)
