@@ -110,6 +110,61 @@ def cases_attention() -> Results:
     return out
 
 
+DECODE_CASES = {
+    # name: (Hq, Hkv, D, dtype, seq_lens, kv_start (tail pass) or None (flat), splits or None (default)).
+    # Keys per block (BLOCK_N): bf16 128 at D 64, 64 at D 128; fp32 64 at D <= 64, 16 at D 128. Each
+    # split takes whole blocks, so a range of fewer keys than splits x block leaves the last splits empty.
+    "g1_d64_fp32_b1": (2, 2, 64, torch.float32, [300], None, 4),  # 5 blocks, 2 a split: the last empty
+    "g2_d128_bf16_b1": (4, 2, 128, torch.bfloat16, [200], None, 5),  # 4 blocks over 5 splits: one empty
+    "g4_d64_bf16_short": (8, 2, 64, torch.bfloat16, [1, 2, 7, 150], None, None),  # shorter than the splits
+    "g8_d24_fp32_one_split": (8, 1, 24, torch.float32, [2, 70, 33], None, 1),  # written directly, D padded
+    "g8_d128_fp32_b2": (8, 1, 128, torch.float32, [5, 150], None, 8),  # 10 blocks, 2 a split, 3 splits empty
+    "g4_d64_fp32_one_split": (4, 1, 64, torch.float32, [130, 64], None, 1),  # 3 blocks, an exact block
+    "tail/g1_d128_bf16_b1": (2, 2, 128, torch.bfloat16, [203], [37], 3),  # the range starts mid-block
+    "tail/g2_d64_fp32": (4, 2, 64, torch.float32, [3, 75, 230], [0, 10, 100], 4),  # 3 keys over 4 splits
+    "tail/g8_d64_bf16_one_split": (8, 1, 64, torch.bfloat16, [20, 180], [19, 5], 1),  # one key; two blocks
+    "tail/g4_d24_fp32": (8, 2, 24, torch.float32, [9, 50], [4, 0], None),
+}
+
+
+def cases_decode() -> Results:
+    """The flat decode and the cascade's tail pass (one kernel) over their split of the keys: forced
+    and default split counts (on the CPU: 3), every GQA group size the models use, and sequences
+    shorter than a block and than the split count."""
+    from kernels.attention.reference import decode_attention_torch, tail_decode_torch
+    from kernels.attention.triton import decode_triton, tail_decode_triton
+
+    out: Results = {}
+    for name, (hq, hkv, d, dtype, seq_lens, kv_start, splits) in DECODE_CASES.items():
+        k_cache, v_cache, req_to_token = _pool(1300, hkv, d, 4, 310, dtype)
+        batch = len(seq_lens)
+        rows = torch.tensor([3, 1, 0, 2][:batch])
+        # q as a slice of a wider projection: strided over requests, dense per head.
+        q = torch.randn(batch, 2 * hq * d)[:, : hq * d].to(dtype).view(batch, hq, d)
+        seq = torch.tensor(seq_lens)
+        args = (q, k_cache, v_cache, req_to_token, rows)
+        tol = BF16_TOLERANCE if dtype == torch.bfloat16 else FP32_TOLERANCE
+        if kv_start is None:
+            ref = decode_attention_torch(*args, seq, 0.2)
+            tri = decode_triton(*args, seq, 0.2, num_splits=splits)
+            err = rel_err(tri, ref) if tri.dtype == dtype else math.inf
+        else:
+            start = torch.tensor(kv_start)
+            o_ref, lse_ref = tail_decode_torch(*args, start, seq, 0.2)
+            o_tri, lse_tri = tail_decode_triton(*args, start, seq, 0.2, num_splits=splits)
+            err = max(rel_err(o_tri, o_ref), rel_err(lse_tri, lse_ref))
+        out[f"decode/{name}"] = (err, tol)
+    # An empty range (kv_start == seq_len) gives what the reference gives, o = 0 and lse = -inf (a
+    # pass the LSE merge ignores), with one split and with several, empty or not.
+    k_cache, v_cache, req_to_token = _pool(300, 1, 16, 2, 100, torch.float32)
+    q, rows, seq = torch.randn(2, 2, 16), torch.tensor([1, 0]), torch.tensor([40, 7])
+    for splits in (1, 4):
+        o, lse = tail_decode_triton(q, k_cache, v_cache, req_to_token, rows, seq, seq, 0.2, num_splits=splits)
+        empty = bool((o == 0).all()) and bool((lse == float("-inf")).all())
+        out[f"decode/tail/empty_range/splits={splits}"] = (0.0 if empty else math.inf, 0.0)
+    return out
+
+
 class CascadeBatch(NamedTuple):
     """A decode batch whose rows really share leading slots (see :func:`cascade_batch`)."""
 
@@ -187,7 +242,8 @@ def cascade_batch(
 
 CASCADE_CASES = {
     # name: (Hq, Hkv, D, dtype, [(group members, shared length)], lengths of lone requests, tail step).
-    # Shared kernel blocks: BLOCK_N = 32 keys, BLOCK_Q = 16 or 32 query rows; tail kernel: 64 keys.
+    # Shared kernel blocks: BLOCK_N = 32 keys, BLOCK_Q = 16 or 32 query rows; tail kernel: 64 keys (fp32)
+    # or 128 (16-bit), split 3 ways on the CPU.
     "gqa2_three_groups": (4, 2, 16, torch.float32, [(5, 37), (2, 20), (3, 64)], [45], 3),
     "mha_d24_long_tails": (2, 2, 24, torch.float32, [(4, 33)], [70], 21),  # tails of 6..74 keys, D padded
     "gqa8_two_query_blocks": (8, 1, 16, torch.float32, [(5, 70)], [3], 2),  # 40 query rows, 3 key blocks
@@ -383,7 +439,7 @@ def compile_for_sm90() -> dict[str, str]:
     def arg_type(name: str, dtype: str, kernel_name: str = "") -> str:
         if name.startswith("stride") or name in ("num_tokens", "vocab_size"):
             return "i32"
-        if name == "lse":
+        if name in ("lse", "part_o", "part_lse"):
             return "*fp32"
         if name == "o" and kernel_name.startswith("cascade"):
             return "*fp32"
@@ -395,7 +451,7 @@ def compile_for_sm90() -> dict[str, str]:
 
     conv = {"C": 300, "K": 4, "HAS_BIAS": True, "SILU": True, "BLOCK_C": 128}
     delta = {"REP": 2, "DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": 32}
-    decode = {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64}
+    decode = {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_G": 16, "BLOCK_N": 64, "UPCAST": False}
     kernels = {
         "store_kv": (kv_store._store_kv_kernel, {"ROW": 1024, "BLOCK": 1024}),
         "extend_attention": (attention._extend_kernel,
@@ -405,6 +461,8 @@ def compile_for_sm90() -> dict[str, str]:
         "cascade_shared": (attention._shared_kernel,
                            {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_Q": 32, "BLOCK_N": 32}),
         "cascade_tail": (attention._decode_kernel, {**decode, "HAS_START": True, "STORE_LSE": True}),
+        "decode_merge": (attention._decode_merge_kernel,
+                         {"NUM_SPLITS": 5, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_S": 8, "STORE_LSE": True}),
         "bitmask": (bitmask._apply_bitmask_kernel, {"BLOCK": 1024}),
         "delta_step": (gated_delta._step_kernel, {**delta, "H": 32}),
         # num_tokens == 1 is specialised to a constant on a GPU: compile that variant too.
@@ -429,6 +487,7 @@ def compile_for_sm90() -> dict[str, str]:
 FAMILIES: dict[str, Callable[[], Results]] = {
     "kv_store": cases_kv_store,
     "attention": cases_attention,
+    "decode": cases_decode,
     "cascade": cases_cascade,
     "backend": cases_backend,
     "bitmask": cases_bitmask,
@@ -473,7 +532,7 @@ def test_triton_kernels_compile_for_a_hopper_gpu() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, f"compile child failed:\n{proc.stdout}\n{proc.stderr}"
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 11
+    assert len(results) == 12
     assert all(status == "ok" for status in results.values()), results
 
 
