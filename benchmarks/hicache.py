@@ -57,7 +57,7 @@ from services.kvstore.sharded import ShardedKVStore
 from services.scheduler.l3_lookup import leading_pages
 from services.scheduler.loop import LoopConfig
 from services.scheduler.memory import HiConfig
-from services.scheduler.request import FailEvent, Finish, TokenEvent
+from services.scheduler.request import FailEvent, Finish, PromptEvent, TokenEvent
 
 GOAL_LENGTH, GOAL_RATIO = 4096, 3.0  # issue #7: L3 at least 3x faster than recompute at 4k tokens
 OUT, OUT_HYBRID = Path("docs/bench/hicache.json"), Path("docs/bench/hicache-hybrid.json")  # --out's defaults
@@ -141,6 +141,8 @@ async def request(tiers: Tiers, store: ShardedKVStore, prompt: list[int], timeou
             if isinstance(ev, TokenEvent):
                 if token < 0 and ev.token_ids:
                     ttft, token = time.perf_counter() - t0, ev.token_ids[0]
+                continue
+            if isinstance(ev, PromptEvent):  # never asked for here
                 continue
             if isinstance(ev, FailEvent):
                 raise RuntimeError(f"request failed: {ev.error}")

@@ -32,7 +32,7 @@ from services.common.errors import StrataError
 from services.common.server import CHANNEL_OPTIONS
 from services.common.step import StepRequest, StepResult
 from services.scheduler.loop import LoopConfig, SchedulerLoop
-from services.scheduler.request import FailEvent, Finish, Req, TokenEvent
+from services.scheduler.request import FailEvent, Finish, PromptEvent, Req, TokenEvent
 from services.scheduler.worker_link import InProcessWorkerLink
 from strata.v1 import strata_pb2 as pb
 from strata.v1 import strata_pb2_grpc as pgrpc
@@ -178,6 +178,8 @@ class InProcessBackend:
                 if isinstance(event, TokenEvent):
                     note_tokens(rec, len(event.token_ids))
                     out += event.token_ids
+                    continue
+                if isinstance(event, PromptEvent):  # never asked for here
                     continue
                 if isinstance(event, FailEvent):
                     raise BackendError(f"request failed: {event.error}")

@@ -200,6 +200,11 @@ class ReqInput:
     # With a draft model (``--speculative-algorithm draft``): the worker writes the drafts itself
     # (the scheduler sends ``num_draft`` placeholder ids).
     worker_drafts: bool = False
+    # Prompt scoring (a prefill chunk): return the logprob of the prompt token after each input
+    # position (``StepResult.prompt``), the one after the last input being ``next_prompt_id``; None
+    # on the prompt's last chunk, whose last position predicts the sample (or nothing) instead.
+    prompt_logprobs: bool = False
+    next_prompt_id: int | None = None
 
     @property
     def num_new(self) -> int:
@@ -226,6 +231,16 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PromptScores:
+    """What one chunk with ``prompt_logprobs`` scored: for each of its positions whose next token is
+    a prompt token, in order, that token with its logprob (the model's log-softmax: no temperature,
+    penalty or mask) and ``top`` alternatives, and its rank in the vocabulary (1 = most likely)."""
+
+    logprobs: tuple[TokenLogprob, ...]
+    ranks: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,6 +280,8 @@ class StepResult:
     mamba_committed_bytes: int = 0
     # One per host / L3 op of the step, in op order.
     jobs: list[JobResult] = field(default_factory=list)
+    # One per request with ``prompt_logprobs``, in request order.
+    prompt: list[PromptScores] = field(default_factory=list)
 
 
 class StepError(ValueError):

@@ -23,6 +23,7 @@ from services.common.step import (
     MambaCopy,
     MambaReset,
     PoolResize,
+    PromptScores,
     ReleaseRow,
     ReqInput,
     ReqOutput,
@@ -140,7 +141,8 @@ _USE_LAST_SAMPLE = wpb.REQ_FLAG_USE_LAST_SAMPLE
 _RETURN_LOGPROBS = wpb.REQ_FLAG_RETURN_LOGPROBS
 _MASK_FOLLOWS = wpb.REQ_FLAG_MASK_FOLLOWS
 _WORKER_DRAFTS = wpb.REQ_FLAG_WORKER_DRAFTS
-_ALL_FLAGS = _SAMPLE | _USE_LAST_SAMPLE | _RETURN_LOGPROBS | _MASK_FOLLOWS | _WORKER_DRAFTS
+_PROMPT_LOGPROBS = wpb.REQ_FLAG_PROMPT_LOGPROBS
+_ALL_FLAGS = _SAMPLE | _USE_LAST_SAMPLE | _RETURN_LOGPROBS | _MASK_FOLLOWS | _WORKER_DRAFTS | _PROMPT_LOGPROBS
 
 # The columns of ReqColumns with one entry per request (``rows`` sets the count).
 _PER_REQUEST = (
@@ -182,6 +184,7 @@ def _batch_to_pb(reqs: list[ReqInput]) -> wpb.ReqColumns:
             | _RETURN_LOGPROBS * r.return_logprobs
             | _MASK_FOLLOWS * r.mask_follows
             | _WORKER_DRAFTS * r.worker_drafts
+            | _PROMPT_LOGPROBS * r.prompt_logprobs
             for r in reqs
         ],
         seeds=[r.seed for r in reqs],
@@ -191,10 +194,11 @@ def _batch_to_pb(reqs: list[ReqInput]) -> wpb.ReqColumns:
         sampling_index=sampling_index,
         extras=[
             wpb.ReqExtra(
-                index=i, history_ids=r.history_ids, token_bitmask=r.token_bitmask or b"", trace_context=r.trace_context
+                index=i, history_ids=r.history_ids, token_bitmask=r.token_bitmask or b"", trace_context=r.trace_context,
+                next_prompt_id=r.next_prompt_id,
             )
             for i, r in enumerate(reqs)
-            if r.history_ids or r.token_bitmask or r.trace_context
+            if r.history_ids or r.token_bitmask or r.trace_context or r.next_prompt_id is not None
         ],
         num_draft=[r.num_draft for r in reqs] if any(r.num_draft for r in reqs) else [],
     )
@@ -211,6 +215,13 @@ def _batch_from_pb(m: wpb.ReqColumns) -> list[ReqInput]:
     bad = next((i for i, f in enumerate(flags) if f & ~_ALL_FLAGS), None)
     if bad is not None:
         raise ValueError(f"batch.flags[{bad}]={flags[bad]} sets bits outside ReqFlag ({_ALL_FLAGS:#x})")
+    both = _PROMPT_LOGPROBS | _USE_LAST_SAMPLE
+    bad = next((i for i, f in enumerate(flags) if f & both == both), None)
+    if bad is not None:
+        raise ValueError(
+            f"batch.flags[{bad}]={flags[bad]}: PROMPT_LOGPROBS scores a prefill chunk's input ids, and "
+            "USE_LAST_SAMPLE has none"
+        )
     drafts = list(m.num_draft)
     if drafts and len(drafts) != n:
         raise ValueError(f"batch.num_draft has {len(drafts)} entries for {n} requests (batch.rows; or none)")
@@ -240,6 +251,7 @@ def _batch_from_pb(m: wpb.ReqColumns) -> list[ReqInput]:
             use_last_sample=bool(f & _USE_LAST_SAMPLE),
             mask_follows=bool(f & _MASK_FOLLOWS),
             worker_drafts=bool(f & _WORKER_DRAFTS),
+            prompt_logprobs=bool(f & _PROMPT_LOGPROBS),
         )
         for rid, row, start, ids, prefix, new, mamba, f, k, seed, index, top in zip(
             m.request_ids, m.rows, m.start_pos,
@@ -251,7 +263,7 @@ def _batch_from_pb(m: wpb.ReqColumns) -> list[ReqInput]:
         )
     ]
     last = -1
-    for e in m.extras:
+    for k, e in enumerate(m.extras):
         if not last < e.index < n:
             raise ValueError(
                 f"batch.extras: index {e.index} after {last} (indices must increase, each in [0, {n}))"
@@ -261,6 +273,13 @@ def _batch_from_pb(m: wpb.ReqColumns) -> list[ReqInput]:
         r.history_ids = list(e.history_ids)
         r.token_bitmask = e.token_bitmask or None
         r.trace_context = dict(e.trace_context)
+        if e.HasField("next_prompt_id"):
+            if not r.prompt_logprobs or r.sample:
+                raise ValueError(
+                    f"batch.extras[{k}].next_prompt_id: request {e.index} must set PROMPT_LOGPROBS and not "
+                    "SAMPLE (the token after a sampled position is the sample, not a prompt token)"
+                )
+            r.next_prompt_id = e.next_prompt_id
     for r, d in zip(reqs, drafts, strict=False):  # range checks against the inputs: check_step
         r.num_draft = d
     return reqs
@@ -289,7 +308,7 @@ def late_masks_from_pb(m: wpb.StepRequest) -> LateMasks | None:
 
 def result_to_pb(r: StepResult) -> wpb.StepResult:
     outs = r.outputs
-    return wpb.StepResult(
+    m = wpb.StepResult(
         step_id=r.step_id,
         sampled_rows=[o.row for o in outs],
         token_ids=[o.token_id for o in outs],
@@ -308,6 +327,47 @@ def result_to_pb(r: StepResult) -> wpb.StepResult:
         mamba_committed_bytes=r.mamba_committed_bytes,
         jobs=[wpb.JobResult(job_id=j.job_id, ok=j.ok, pages=j.pages) for j in r.jobs],
     )
+    if r.prompt:
+        _prompt_to_pb(r.prompt, m)
+    return m
+
+
+def _prompt_to_pb(scores: list[PromptScores], m: wpb.StepResult) -> None:
+    """``StepResult.prompt`` into ``m``'s packed ``prompt_*`` columns."""
+    lps = [lp for s in scores for lp in s.logprobs]
+    m.prompt_counts.extend(len(s.logprobs) for s in scores)
+    m.prompt_num_top.extend(len(s.logprobs[0].top) if s.logprobs else 0 for s in scores)
+    m.prompt_token_ids.extend(lp.token_id for lp in lps)
+    m.prompt_logprobs.extend(lp.logprob for lp in lps)
+    m.prompt_ranks.extend(r for s in scores for r in s.ranks)
+    m.prompt_top_ids.extend(t for lp in lps for t, _ in lp.top)
+    m.prompt_top_logprobs.extend(v for lp in lps for _, v in lp.top)
+
+
+def _prompt_from_pb(m: wpb.StepResult) -> list[PromptScores]:
+    """The ``prompt_*`` columns back as ``PromptScores``; ``ValueError`` naming the column when they
+    do not add up."""
+    counts, tops = list(m.prompt_counts), list(m.prompt_num_top)
+    if len(tops) != len(counts):
+        raise ValueError(f"result prompt_num_top has {len(tops)} entries for {len(counts)} prompt_counts")
+    total, alternatives = sum(counts), sum(c * t for c, t in zip(counts, tops, strict=True))
+    for name, want in (("prompt_token_ids", total), ("prompt_logprobs", total), ("prompt_ranks", total),
+                       ("prompt_top_ids", alternatives), ("prompt_top_logprobs", alternatives)):  # fmt: skip
+        if len(getattr(m, name)) != want:
+            raise ValueError(f"result {name} has {len(getattr(m, name))} entries; prompt_counts and "
+                             f"prompt_num_top call for {want}")  # fmt: skip
+    ids, values, ranks = list(m.prompt_token_ids), list(m.prompt_logprobs), list(m.prompt_ranks)
+    top_ids, top_values = list(m.prompt_top_ids), list(m.prompt_top_logprobs)
+    out, at, top_at = [], 0, 0
+    for c, t in zip(counts, tops, strict=True):
+        lps = []
+        for j in range(at, at + c):
+            top = tuple(zip(top_ids[top_at : top_at + t], top_values[top_at : top_at + t], strict=True))
+            lps.append(TokenLogprob(ids[j], values[j], top))
+            top_at += t
+        out.append(PromptScores(tuple(lps), tuple(ranks[at : at + c])))
+        at += c
+    return out
 
 
 def result_from_pb(m: wpb.StepResult) -> StepResult:
@@ -336,6 +396,7 @@ def result_from_pb(m: wpb.StepResult) -> StepResult:
         kv_committed_bytes=m.kv_committed_bytes,
         mamba_committed_bytes=m.mamba_committed_bytes,
         jobs=[JobResult(j.job_id, j.ok, j.pages) for j in m.jobs],
+        prompt=_prompt_from_pb(m),
     )
 
 

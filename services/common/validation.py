@@ -45,6 +45,8 @@ class Generation:
     seed: int | None
     return_logprobs: bool
     top_logprobs: int
+    # Alternatives per scored prompt position (GenerateRequest.prompt_logprobs); None: no scoring.
+    prompt_logprobs: int | None = None
 
 
 def _finite(name: str, v: float) -> float:
@@ -99,9 +101,12 @@ def check_cache_salt(salt: str) -> None:
 
 
 def generation(
-    s: pb.SamplingParams, prompt_len: int, limits: Limits, return_logprobs: bool, top_logprobs: int
+    s: pb.SamplingParams, prompt_len: int, limits: Limits, return_logprobs: bool, top_logprobs: int,
+    prompt_logprobs: int | None = None,
 ) -> Generation:
-    """Validate and default ``s`` for a prompt of ``prompt_len`` tokens."""
+    """Validate and default ``s`` for a prompt of ``prompt_len`` tokens. ``prompt_logprobs``: score
+    the prompt with that many alternatives per position (None: no scoring); only then may
+    ``max_new_tokens`` be 0 (the prompt scored alone)."""
     temperature = s.temperature if s.HasField("temperature") else 1.0
     _finite("sampling.temperature", temperature)
     if temperature < 0:
@@ -116,16 +121,21 @@ def generation(
     freq = _in_range("sampling.frequency_penalty", s.frequency_penalty, -2.0, 2.0)
     pres = _in_range("sampling.presence_penalty", s.presence_penalty, -2.0, 2.0)
 
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument(f"prompt_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {prompt_logprobs}")
+    scoring_only = prompt_logprobs is not None and s.HasField("max_new_tokens") and s.max_new_tokens == 0
     room = limits.context_length - prompt_len
-    if room < 1:
+    if room < 1 and not (scoring_only and room == 0):
         raise InvalidArgument(
             f"input: the prompt has {prompt_len} tokens; the context length is {limits.context_length}, "
             "which leaves no room to generate"
         )
     if s.HasField("max_new_tokens"):
         max_new = s.max_new_tokens
-        if max_new < 1:
-            raise InvalidArgument("sampling.max_new_tokens: must be >= 1")
+        if max_new < 1 and not scoring_only:
+            raise InvalidArgument(
+                "sampling.max_new_tokens: must be >= 1 (0 only with prompt_logprobs: the prompt scored alone)"
+            )
         if max_new > room:
             raise InvalidArgument(
                 f"sampling.max_new_tokens: {max_new} exceeds the room left in the context: prompt "
@@ -164,4 +174,5 @@ def generation(
         seed=s.seed if s.HasField("seed") else None,
         return_logprobs=return_logprobs,
         top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
     )

@@ -18,10 +18,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from services.common.step import CacheOp, JobResult, LateMasks, ReqInput, StepRequest
+from services.common.step import CacheOp, JobResult, LateMasks, PromptScores, ReqInput, StepRequest, TokenLogprob
 from services.scheduler.elastic_control import ElasticControl
 from services.scheduler.memory import Memory
-from services.scheduler.request import Finish, FinishEvent, Fork, Req, TokenEvent
+from services.scheduler.request import Finish, FinishEvent, Fork, PromptEvent, Req, TokenEvent
 from services.scheduler.speculative import Speculator
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class Plan:
     sampled: list[Req] = field(default_factory=list)  # those with sample=True, in order
     drafts: list[int] = field(default_factory=list)  # per sampled request, its draft tokens (0: none)
     forks: list[tuple[Req, Fork]] = field(default_factory=list)  # checkpoints to insert on commit
+    scored: list[tuple[Req, int]] = field(default_factory=list)  # chunks scoring their prompt: (req, start)
 
 
 # Waiting for a sibling is only worth it when it saves at least this many tokens of prefill.
@@ -147,6 +148,8 @@ class Batcher:
                 plan.forks.append((req, fork))
             if ri.mask_follows:
                 plan.late.append(req)
+            if ri.prompt_logprobs:
+                plan.scored.append((req, ri.start_pos))
             plan.step.reqs.append(ri)
             plan.reqs.append(req)
             if ri.sample:
@@ -243,7 +246,7 @@ class Batcher:
             if other.output or other.cache_salt != req.cache_salt:
                 continue
             # How far the sibling's prompt covers ours, against what the tree already holds.
-            reach = _common_prefix_len(seq, other.prompt, len(seq) - 1)
+            reach = _common_prefix_len(seq, other.prompt, req.matchable)
             if reach < MIN_HOLD_TOKENS:
                 continue
             if matched < 0:
@@ -261,6 +264,10 @@ class Batcher:
         assert req.row is not None
         pending = start >= known  # the input is a sample still in flight (overlap)
         assert not pending or n == 1
+        g = req.gen
+        # Prompt scoring: positions [0, len(prompt) - 1) each predict the next prompt token.
+        scores = req.scoring and start < len(req.prompt) - 1
+        end = start + n
         ri = ReqInput(
             request_id=req.rid,
             row=req.row,
@@ -270,15 +277,18 @@ class Batcher:
             new_slots=req.slots[start:],
             prefix_slots=req.slots[:start] if not req.sent_history or req.row_dirty else [],
             mamba_slot=req.mamba_slot,
-            sample=start + n - len(draft) == known + req.inflight,
-            sampling=req.gen.sampling,
+            sample=start + n - len(draft) == known + req.inflight and g.max_new_tokens > 0,
+            sampling=g.sampling,
             seed=req.seed,
             output_index=len(req.output) + req.inflight,
-            return_logprobs=req.gen.return_logprobs,
-            top_logprobs=req.gen.top_logprobs,
+            return_logprobs=g.return_logprobs,
+            # One count for both: a sample that gets more alternatives than it asked is trimmed on commit.
+            top_logprobs=max(g.top_logprobs, g.prompt_logprobs or 0) if scores else g.top_logprobs,
             trace_context=req.trace_context if not req.sent_history else {},
             num_draft=len(draft),
             worker_drafts=bool(draft) and self.spec is not None and self.spec.worker_drafts,
+            prompt_logprobs=scores,
+            next_prompt_id=req.prompt[end] if scores and end < len(req.prompt) else None,
         )
         if ri.sample:
             if req.grammar is not None:
@@ -307,18 +317,29 @@ class Batcher:
 
     # -- commit ---------------------------------------------------------------------------------
     def commit(
-        self, plan: Plan, sampled: list[tuple[int, object]], jobs: Sequence[JobResult] = (), rows: Sequence[int] = ()
+        self, plan: Plan, sampled: list[tuple[int, object]], jobs: Sequence[JobResult] = (), rows: Sequence[int] = (),
+        prompt: Sequence[PromptScores] = (),
     ) -> None:
         """Record the samples (token id, logprob or None) of ``plan.sampled``, in order, and the
         acknowledgements of the step's host and L3 jobs. A request that verified drafts has 1 to
         ``drafts + 1`` consecutive samples, told apart by ``rows`` (each sample's row; needed only
-        when the plan carries drafts)."""
+        when the plan carries drafts). ``prompt``: the scores of ``plan.scored``'s chunks, in order;
+        a prompt whose every position is scored goes out (``PromptEvent``) before any token."""
         self.mem.on_results(list(jobs))
         if self.handoffs:
             self.settle_handoffs()
+        if len(prompt) != len(plan.scored):
+            raise ValueError(f"step {plan.step.step_id}: {len(prompt)} prompt scores for {len(plan.scored)} chunks")
+        for (req, start), got in zip(plan.scored, prompt, strict=True):
+            if req.scoring and start <= len(req.prompt_scores):  # a retracted chunk may come back twice
+                del req.prompt_scores[start:], req.prompt_ranks[start:]
+                req.prompt_scores += got.logprobs
+                req.prompt_ranks += got.ranks
         for req in plan.prefills:
             if req.finished is None and not req.aborted and req.row is not None:
                 self.mem.commit_chunk(req)
+            if req.scoring and req.finished is None and not req.aborted:
+                self._prompt_scored(req)
         for req, fork in plan.forks:
             if req.finished is None and not req.aborted and req.row is not None:
                 self.mem.commit_fork(req, fork)
@@ -334,6 +355,8 @@ class Batcher:
                 self.finish(req, Finish.ERROR, f"sampled token {tok} violates the request's grammar")
                 continue
             req.output.append(tok)
+            if isinstance(lp, TokenLogprob) and len(lp.top) > req.gen.top_logprobs:  # asked for the prompt's count
+                lp = TokenLogprob(lp.token_id, lp.logprob, lp.top[: req.gen.top_logprobs])
             req.emit(TokenEvent((tok,), (lp,) if lp is not None else ()))  # type: ignore[arg-type]
             reason = self._stop_reason(req, tok)
             if reason is not None:
@@ -370,6 +393,20 @@ class Batcher:
                     break
         if k != len(sampled):
             raise ValueError(f"step {plan.step.step_id}: {len(sampled) - k} samples left over")
+
+    def _prompt_scored(self, req: Req) -> None:
+        """Send ``req``'s prompt scores once every position has one (trimmed to the alternatives it
+        asked); a request that generates nothing then ends."""
+        if len(req.prompt_scores) < len(req.prompt) - 1:
+            return
+        k = req.gen.prompt_logprobs or 0
+        lps = tuple(lp if len(lp.top) <= k else TokenLogprob(lp.token_id, lp.logprob, lp.top[:k])
+                    for lp in req.prompt_scores)  # fmt: skip
+        req.emit(PromptEvent(req.prompt[0], lps, tuple(req.prompt_ranks)))
+        req.prompt_sent = True
+        req.prompt_scores, req.prompt_ranks = [], []
+        if req.gen.max_new_tokens == 0:
+            self.finish(req, Finish.LENGTH)
 
     def _stop_reason(self, req: Req, tok: int) -> Finish | None:
         g = req.gen

@@ -179,7 +179,7 @@ class SchedulerLoop:
     @staticmethod
     def _too_large(req: Req, info: WorkerInfo, batcher: Batcher) -> str | None:
         """Why no wait would help ``req`` on this worker (its pool is too small), or None."""
-        need = len(req.prompt) + req.gen.max_new_tokens - 1
+        need = len(req.prompt) + max(req.gen.max_new_tokens - 1, 0)
         pool = info.max_slots if batcher.elastic is not None else info.num_slots
         if need <= pool:
             return None
@@ -292,7 +292,8 @@ class SchedulerLoop:
                     result = await link.recv()  # receive
                     outs = result.outputs
                     rows = [o.row for o in outs] if any(done.drafts) else ()
-                    batcher.commit(done, [(o.token_id, o.logprob) for o in outs], result.jobs, rows)  # commit
+                    batcher.commit(done, [(o.token_id, o.logprob) for o in outs], result.jobs, rows,
+                                   result.prompt)  # commit
                     if inflight and inflight[0][0].late:  # the next step waits for these masks
                         await link.send_masks(batcher.late_masks(inflight[0][0], link.info.vocab_size))
             except WorkerGone as e:

@@ -32,6 +32,17 @@ class TokenEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptEvent:
+    """The scored prompt (``Generation.prompt_logprobs``), once every position is: before the
+    request's first ``TokenEvent`` (or its end, when it generates nothing). ``logprobs[j]`` and
+    ``ranks[j]`` are prompt token ``j + 1``'s."""
+
+    first_token_id: int
+    logprobs: tuple[TokenLogprob, ...]
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class FinishEvent:
     reason: Finish
     prompt_tokens: int
@@ -48,7 +59,7 @@ class FailEvent:
     error: Exception
 
 
-Event = TokenEvent | FinishEvent | FailEvent
+Event = TokenEvent | PromptEvent | FinishEvent | FailEvent
 
 
 @dataclass(eq=False, slots=True)
@@ -112,6 +123,11 @@ class Req:
     spec_score: float = 1.0
     spec_wait: int = 0
     spec_backoff: int = 0
+    # Prompt scoring (``gen.prompt_logprobs``): entry j scores prompt token j + 1, gathered chunk by
+    # chunk from the steps' results; ``prompt_sent`` once the PromptEvent went out.
+    prompt_scores: list[TokenLogprob] = field(default_factory=list)
+    prompt_ranks: list[int] = field(default_factory=list)
+    prompt_sent: bool = False
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     # Where events go instead of ``events``: a session's collector (``services.scheduler.session``),
     # which sends a whole step's events for all its requests as one message.
@@ -135,6 +151,19 @@ class Req:
         if start + n <= p:
             return self.prompt[start : start + n]
         return self.prompt[start:] + self.output[: start + n - p]
+
+    @property
+    def scoring(self) -> bool:
+        """Prompt positions are still to be scored (their logits are computed, never cached)."""
+        return self.gen.prompt_logprobs is not None and not self.prompt_sent
+
+    @property
+    def matchable(self) -> int:
+        """Tokens of ``seq`` a prefix-cache hit may cover: all but the last, whose logits are
+        needed; while the prompt is being scored, only the positions already scored (a cached
+        prefix keeps KV, not the logits its positions would need)."""
+        n = self.seq_len - 1
+        return min(n, len(self.prompt_scores)) if self.scoring else n
 
     @property
     def computed(self) -> int:

@@ -26,8 +26,8 @@ from services.scheduler.grammar import Constraint, GrammarService, Matcher
 from services.scheduler.l3_lookup import L3Lookup
 from services.scheduler.loop import SchedulerLoop
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.request import FailEvent, FinishEvent, Req, TokenEvent
-from services.scheduler.session import FINISH_PB
+from services.scheduler.request import FailEvent, FinishEvent, PromptEvent, Req, TokenEvent
+from services.scheduler.session import FINISH_PB, prompt_logprobs_pb
 from services.scheduler.session import Session as Mux
 from services.scheduler.worker_link import GrpcWorkerLink, WorkerGone
 from strata.scheduler.v1 import scheduler_pb2 as spb
@@ -86,10 +86,14 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
         ids = list(request.input_ids)
         validation.check_ids("input_ids", ids, limits)
         validation.check_cache_salt(request.cache_salt)
+        scoring = request.prompt_logprobs if request.HasField("prompt_logprobs") else None
         gen = validation.generation(
-            request.sampling, len(ids), limits, request.return_logprobs, request.top_logprobs
+            request.sampling, len(ids), limits, request.return_logprobs, request.top_logprobs, scoring
         )
         output = list(request.output_ids)
+        if output and scoring is not None:
+            raise InvalidArgument("prompt_logprobs: not with output_ids (a continuation's prompt was scored "
+                                  "where it began)")  # fmt: skip
         if output:
             _check_resumed("output_ids", output, gen.max_new_tokens, limits)
         matcher = await self._matcher(request.constraint)
@@ -114,6 +118,7 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
     ) -> AsyncIterator[spb.GenerateResponse]:
         req = await self._admit(request, telemetry.inject_context())
         rid, prompt_len = req.rid, len(req.prompt)
+        scored: pb.PromptLogprobs | None = None  # the scored prompt rides on the next response
         try:
             while True:
                 # Everything already queued goes out in one message (tokens first, then the end).
@@ -121,6 +126,9 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
                 while not req.events.empty():
                     events.append(req.events.get_nowait())
                 tokens = [e for e in events if isinstance(e, TokenEvent)]
+                prompt = next((e for e in events if isinstance(e, PromptEvent)), None)
+                if prompt is not None:
+                    scored = prompt_logprobs_pb(prompt)
                 if tokens:
                     # Usage so far rides along, so a client that stops early still knows its cache hit.
                     usage = pb.Usage(
@@ -133,13 +141,18 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
                         token_ids=[t for e in tokens for t in e.token_ids],
                         logprobs=[step_codec.logprob_to_pb(lp) for e in tokens for lp in e.logprobs],
                         usage=usage,
+                        prompt_logprobs=scored,
                     )
+                    scored = None
                 failed = next((e for e in events if isinstance(e, FailEvent)), None)
                 if failed is not None:
                     raise failed.error
                 end = next((e for e in events if isinstance(e, FinishEvent)), None)
                 if end is not None:
-                    yield _final(rid, end)
+                    final = _final(rid, end)
+                    if scored is not None:  # scored alone (max_new_tokens 0)
+                        final.prompt_logprobs.CopyFrom(scored)
+                    yield final
                     return
         finally:
             if req.finished is None:  # the client went away: free its memory

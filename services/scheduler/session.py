@@ -20,7 +20,7 @@ import grpc
 
 from services.common import step_codec
 from services.common.errors import StrataError, status_of
-from services.scheduler.request import Event, FailEvent, Finish, FinishEvent, Req, TokenEvent
+from services.scheduler.request import Event, FailEvent, Finish, FinishEvent, PromptEvent, Req, TokenEvent
 from strata.scheduler.v1 import scheduler_pb2 as spb
 from strata.v1 import strata_pb2 as pb
 
@@ -144,6 +144,9 @@ class Session:
         logprobs: dict[int, list[pb.TokenLogprob]] = {}
         msg = spb.SessionEvents()
         for handle, ev in events:
+            if isinstance(ev, PromptEvent):
+                msg.prompt_logprobs.append(spb.HandlePromptLogprobs(handle=handle, prompt=prompt_logprobs_pb(ev)))
+                continue
             if isinstance(ev, TokenEvent):
                 tokens.setdefault(handle, []).extend(ev.token_ids)
                 if ev.logprobs:
@@ -180,6 +183,14 @@ class Session:
             msg.token_ids.extend(t for ts in tokens.values() for t in ts)
             msg.logprobs.extend(spb.HandleLogprobs(handle=h, logprobs=lps) for h, lps in logprobs.items())
         return msg
+
+
+def prompt_logprobs_pb(ev: PromptEvent) -> pb.PromptLogprobs:
+    return pb.PromptLogprobs(
+        first_token_id=ev.first_token_id,
+        logprobs=[step_codec.logprob_to_pb(lp) for lp in ev.logprobs],
+        ranks=ev.ranks,
+    )
 
 
 def _failure(handle: int, error: Exception) -> spb.RequestEnd:

@@ -11,7 +11,9 @@ A step runs in four stages, and nothing is mutated until the first one has passe
 3. **forward** over all requests at once (prefill chunks with or without a cached prefix and
    decodes mixed): ``prefix_slots`` and ``new_slots`` are written into each request's row of
    ``req_to_token``, then the model stores the new KV and returns logits;
-4. **sample** one token for each request with ``sample=True``.
+4. **sample** one token for each request with ``sample=True``; a prefill chunk with
+   ``prompt_logprobs`` also gets logits for every position, scored against the prompt's next
+   tokens (``scoring.py``) before the sampler sees its last row.
 
 Tensor parallelism (``tp``, see ``services.worker.tp``): every rank runs stages 1-3 on its shard
 with the same indices; rank 0 alone samples (late grammar masks reach it only) and broadcasts the
@@ -59,7 +61,7 @@ from services.common.step import (
     WorkerInfo,
 )
 from services.worker.attention import attention_backend
-from services.worker.batch import BatchInput, ForwardBatch, ForwardContext
+from services.worker.batch import BatchInput, ForwardBatch, ForwardContext, int64_tensor
 from services.worker.draft import DraftModel
 from services.worker.engine_config import DTYPES, EngineConfig
 from services.worker.host_cache import HostPool
@@ -72,6 +74,7 @@ from services.worker.models.registry import CausalLM
 from services.worker.pool_backing import choose_backing
 from services.worker.pools import KVPool, ReqToTokenTable
 from services.worker.sampler import SamplerInput, sample
+from services.worker.scoring import sample_rows, score_prompts, want_logits
 from services.worker.step_check import check_step, decode_bitmask
 from services.worker.tp import SINGLE, Tp
 
@@ -252,6 +255,10 @@ class Engine:
             torch.cuda.synchronize(self.device)  # so forward_s measures the forward, not the launch
         t1 = time.perf_counter()
         n = sum(1 for r in req.reqs if r.sample)
+        if any(r.prompt_logprobs for r in req.reqs):  # scoring chunks brought a row per position
+            if self.tp.rank == 0:
+                result.prompt = score_prompts(req.reqs, inp.want_logits, logits)
+            logits = logits.index_select(0, int64_tensor(sample_rows(req.reqs, inp.want_logits), logits.device))
         if self.tp.rank:  # a follower: rank 0 samples and sends the ids
             ids = self.tp.share_ints(None, n)
             if ids is None:
@@ -379,8 +386,7 @@ class Engine:
         self._row_len.update(zip(rows, (s + len(x) for s, x in zip(start, ids, strict=True)), strict=True))
         self._history.update((r.row, list(r.history_ids)) for r in reqs if r.history_ids)
         mamba = [r.mamba_slot for r in reqs if r.mamba_slot is not None]
-        want = [r.sample * (1 + r.num_draft) for r in reqs]
-        return BatchInput(rows, start, ids, new_slots, mamba or None, want)
+        return BatchInput(rows, start, ids, new_slots, mamba or None, want_logits(reqs))
 
     def _run(self, inp: BatchInput, all_logits: bool) -> torch.Tensor:
         batch = ForwardBatch.build(inp, self.device, self.attn, all_logits=all_logits)

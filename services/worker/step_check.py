@@ -153,7 +153,18 @@ def _batch_passes(reqs: list[ReqInput], lim: _Limits, sampled: set[int], lengths
         and _within([r.top_logprobs for r in reqs], lim.max_top_logprobs + 1)
         and _within(list(chain.from_iterable(r.history_ids for r in reqs)), lim.vocab_size)
         and (not any(r.num_draft or r.worker_drafts for r in reqs) or all(map(_drafts_pass, reqs)))
+        and (
+            not any(r.prompt_logprobs or r.next_prompt_id is not None for r in reqs)
+            or all(_scoring_passes(r, lim.vocab_size) for r in reqs)
+        )
     )
+
+
+def _scoring_passes(r: ReqInput, vocab_size: int) -> bool:
+    """``_check_scoring``'s rule for prompt scoring."""
+    if r.next_prompt_id is not None and not (r.prompt_logprobs and not r.sample and 0 <= r.next_prompt_id < vocab_size):
+        return False
+    return not r.prompt_logprobs or not (r.use_last_sample or r.num_draft)
 
 
 def _drafts_pass(r: ReqInput) -> bool:
@@ -205,8 +216,23 @@ def _check_each(
         bad = [t for t in r.history_ids if not 0 <= t < vocab_size]
         if bad:
             raise StepError(f"{where}: history_ids has token {bad[0]} outside [0, {vocab_size})")
+        _check_scoring(r, where, vocab_size)
         masks.append(None if r.token_bitmask is None else decode_bitmask(r.token_bitmask, vocab_size, where))
     return masks
+
+
+def _check_scoring(r: ReqInput, where: str, vocab_size: int) -> None:
+    """Prompt scoring runs on a prefill chunk's own input ids; ``next_prompt_id`` only with it, on a
+    chunk that does not sample."""
+    if r.prompt_logprobs and (r.use_last_sample or r.num_draft):
+        raise StepError(f"{where}: prompt_logprobs scores a prefill chunk; not with use_last_sample or num_draft")
+    if r.next_prompt_id is None:
+        return
+    if not r.prompt_logprobs or r.sample:
+        raise StepError(f"{where}: next_prompt_id needs prompt_logprobs and no sample (a sampled position "
+                        "predicts the sample, not a prompt token)")  # fmt: skip
+    if not 0 <= r.next_prompt_id < vocab_size:
+        raise StepError(f"{where}: next_prompt_id={r.next_prompt_id} outside [0, {vocab_size})")
 
 
 def _in_range(value: int, size: int, what: str) -> None:

@@ -33,6 +33,12 @@ def _bad_steps(e: Engine) -> dict[str, StepRequest]:
         "slots/ids length mismatch": StepRequest(1, reqs=[ReqInput(**{**ok, "new_slots": [0]})]),
         "bitmask wrong size": StepRequest(1, reqs=[ReqInput(**{**ok, "token_bitmask": b"\x01\x00"})]),
         "prefix length mismatch": StepRequest(1, reqs=[ReqInput(**{**ok, "start_pos": 2, "prefix_slots": [3]})]),
+        "next prompt token beyond vocab": StepRequest(
+            1, reqs=[ReqInput(**ok, sample=False, prompt_logprobs=True, next_prompt_id=v)]
+        ),
+        "scoring a decode": StepRequest(
+            1, reqs=[ReqInput(**{**ok, "input_ids": [], "new_slots": [0]}, use_last_sample=True, prompt_logprobs=True)]
+        ),
     }
 
 
@@ -44,6 +50,10 @@ def _malformed_messages() -> dict[str, wpb.StepRequest]:
         column = getattr(msg.batch, field.split(".")[1])
         column.append(column[-1])
         msgs[field] = msg
+    chunk = ReqInput("r", 0, [5, 6], 0, [0, 1], sample=False, prompt_logprobs=True, next_prompt_id=7)
+    scoring = step_codec.step_to_pb(StepRequest(1, reqs=[chunk]))
+    scoring.batch.flags[0] = wpb.REQ_FLAG_NONE  # a next prompt token for a chunk that does not score
+    msgs["batch.extras[0].next_prompt_id"] = scoring
     return msgs
 
 
@@ -77,6 +87,12 @@ def test_bad_steps_are_invalid_argument_and_pools_survive(engine: Engine) -> Non
                 await call.write(step_codec.step_to_pb(good))
                 res = await call.read()
                 assert isinstance(res, wpb.StepResult) and len(res.token_ids) == 1
+                # A chunk that scores its prompt: its positions' scores come back in the result.
+                chunk = ReqInput("s", 1, [5, 6, 7], 0, [2, 3, 4], top_logprobs=2, prompt_logprobs=True)
+                await call.write(step_codec.step_to_pb(StepRequest(3, reqs=[chunk])))
+                got = step_codec.result_from_pb(await call.read()).prompt[0]
+                assert [lp.token_id for lp in got.logprobs] == [6, 7] and len(res.token_ids) == 1
+                assert all(len(lp.top) == 2 for lp in got.logprobs) and min(got.ranks) >= 1
                 await call.done_writing()
         finally:
             await server.stop(0)

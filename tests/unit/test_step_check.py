@@ -22,11 +22,15 @@ def _good_batch(rng: random.Random, hybrid: bool) -> list[ReqInput]:
         use_last = row in SAMPLED and rng.random() < 0.5
         start = rng.randint(0, LENGTHS.get(row, 0))
         n = 1 if use_last else rng.randint(1, CONTEXT - start)  # start <= 7 < CONTEXT
+        drafts = rng.randint(0, n - 1) if n > 1 and rng.random() < 0.3 else 0  # speculative decoding
+        scoring = not use_last and not drafts and rng.random() < 0.3  # a prefill chunk scoring its prompt
+        sample = not scoring or rng.random() < 0.5
         reqs.append(ReqInput(
             "r", row, [] if use_last else [rng.randrange(VOCAB) for _ in range(n)], start,
             [next(slots) for _ in range(n)], mamba_slot=i if hybrid else None, use_last_sample=use_last,
             top_logprobs=rng.choice([0, 20]), history_ids=rng.sample(range(VOCAB), rng.choice([0, 2])),
-            num_draft=rng.randint(0, n - 1) if n > 1 and rng.random() < 0.3 else 0,  # speculative decoding
+            num_draft=drafts, sample=sample, prompt_logprobs=scoring,
+            next_prompt_id=rng.randrange(VOCAB) if scoring and not sample else None,
         ))  # fmt: skip
     return reqs
 
@@ -52,6 +56,8 @@ def _corruptions(rng: random.Random) -> list[Callable[[ReqInput], None]]:
         setter("history_ids", lambda: [rng.randint(-1, VOCAB)]),
         setter("num_draft", lambda: rng.randint(-1, 3)),
         setter("sample", lambda: rng.random() < 0.5),
+        setter("prompt_logprobs", lambda: rng.random() < 0.5),
+        setter("next_prompt_id", lambda: rng.choice([None, -1, 0, VOCAB])),
     ]
 
 
@@ -75,3 +81,27 @@ def test_the_batch_check_agrees_with_the_loop() -> None:
         assert _batch_passes(reqs, lim, SAMPLED, LENGTHS) == accepted, reqs
         outcomes[accepted] += 1
     assert min(outcomes.values()) > 3000, outcomes  # both verdicts were really exercised
+
+
+def test_prompt_scoring_is_refused_where_it_cannot_run() -> None:
+    """A scoring chunk scores its own input ids, against ``next_prompt_id`` past its end; every
+    misuse names the field."""
+    lim = _Limits(ROWS, SLOTS, 0, False, CONTEXT, VOCAB, max_top_logprobs=20)
+    chunk = dict(request_id="r", row=0, input_ids=[1, 2, 3], start_pos=0, new_slots=[4, 5, 6], prompt_logprobs=True)
+    bad = {
+        "next_prompt_id=10 outside [0, 10)": ReqInput(**chunk, sample=False, next_prompt_id=VOCAB),
+        "next_prompt_id needs prompt_logprobs and no sample": ReqInput(**chunk, next_prompt_id=3),
+        "prompt_logprobs scores a prefill chunk": ReqInput(**{**chunk, "input_ids": [], "new_slots": [4]},
+                                                           use_last_sample=True),
+        "prompt_logprobs scores a prefill chunk; not with use_last_sample or num_draft": ReqInput(**chunk, num_draft=1),
+    }  # fmt: skip
+    for fragment, req in bad.items():
+        assert not _batch_passes([req], lim, SAMPLED, LENGTHS), fragment
+        try:
+            _check_each([req], lim, SAMPLED, LENGTHS)
+        except StepError as e:
+            assert fragment in str(e), (fragment, str(e))
+        else:
+            raise AssertionError(f"accepted: {fragment}")
+    good = [ReqInput(**chunk, sample=False, next_prompt_id=7), ReqInput(**{**chunk, "row": 1, "new_slots": [7, 8, 9]})]
+    assert _batch_passes(good, lim, SAMPLED, LENGTHS)

@@ -13,6 +13,7 @@ from services.common.step import (
     GREEDY,
     JobResult,
     MambaCopy,
+    PromptScores,
     ReleaseRow,
     ReqInput,
     ReqOutput,
@@ -132,3 +133,75 @@ def test_malformed_results_are_refused_naming_the_field() -> None:
     msg.logprobs.add(index=2)
     with pytest.raises(ValueError, match="logprobs: index 2"):
         step_codec.result_from_pb(msg)
+
+
+def scoring_requests() -> list[ReqInput]:
+    """Chunks that score their prompt: a middle one (scored against the next prompt token) and the
+    last one (its last position predicts the sample), beside an ordinary decode."""
+    return [
+        ReqInput(
+            "mid", 0, [5, 6, 7], 0, [10, 11, 12], sample=False, top_logprobs=3, prompt_logprobs=True, next_prompt_id=0
+        ),
+        ReqInput("decode", 1, [], 9, [20], use_last_sample=True),
+        ReqInput("last", 2, [8, 9], 3, [13, 14], return_logprobs=True, top_logprobs=2, prompt_logprobs=True),
+    ]
+
+
+def test_prompt_scoring_round_trips() -> None:
+    step = StepRequest(7, reqs=scoring_requests())
+    msg = step_codec.step_to_pb(step)
+    assert [f & wpb.REQ_FLAG_PROMPT_LOGPROBS for f in msg.batch.flags] == [wpb.REQ_FLAG_PROMPT_LOGPROBS, 0, 32]
+    assert [(e.index, e.HasField("next_prompt_id")) for e in msg.batch.extras] == [(0, True)]  # 0 is a value
+    assert step_codec.step_from_pb(wpb.StepRequest.FromString(msg.SerializeToString())) == step
+
+
+def test_prompt_scores_round_trip() -> None:
+    mid = PromptScores(
+        (
+            TokenLogprob(6, -1.5, ((6, -1.5), (2, -2.0), (9, -2.5))),
+            TokenLogprob(7, -3.0, ((1, -0.5), (7, -3.0), (4, -4.0))),
+            TokenLogprob(0, -0.25, ((0, -0.25), (3, -2.0), (5, -3.5))),
+        ),
+        (1, 2, 1),
+    )
+    last = PromptScores((TokenLogprob(9, -2.0, ((4, -1.0), (9, -2.0))),), (2,))
+    empty = PromptScores((), ())
+    result = StepResult(3, [ReqOutput(2, 4)], prompt=[mid, empty, last])
+    msg = step_codec.result_to_pb(result)
+    assert list(msg.prompt_counts) == [3, 0, 1] and list(msg.prompt_num_top) == [3, 0, 2]
+    assert step_codec.result_from_pb(wpb.StepResult.FromString(msg.SerializeToString())) == result
+    assert not step_codec.result_to_pb(StepResult(4, [ReqOutput(0, 1)])).prompt_counts  # nothing when none scored
+
+
+# Corruptions of a scoring batch (``scoring_requests``) and the field each error must name.
+SCORING_MALFORMED: dict[str, tuple[Callable[[wpb.ReqColumns], None], str]] = {
+    "scoring a decode": (lambda b: b.flags.__setitem__(1, b.flags[1] | wpb.REQ_FLAG_PROMPT_LOGPROBS), "batch.flags[1]"),
+    "next id without scoring": (lambda b: b.flags.__setitem__(0, wpb.REQ_FLAG_NONE), "batch.extras[0].next_prompt_id"),
+    "next id on a sampled chunk": (lambda b: b.flags.__setitem__(0, b.flags[0] | wpb.REQ_FLAG_SAMPLE),
+                                   "batch.extras[0].next_prompt_id"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", SCORING_MALFORMED)
+def test_a_malformed_scoring_batch_is_refused_naming_the_field(name: str) -> None:
+    corrupt, fragment = SCORING_MALFORMED[name]
+    msg = step_codec.step_to_pb(StepRequest(3, reqs=scoring_requests()))
+    corrupt(msg.batch)
+    with pytest.raises(ValueError) as err:
+        step_codec.step_from_pb(msg)
+    assert fragment in str(err.value), (name, str(err.value))
+
+
+@pytest.mark.parametrize(
+    ("column", "fragment"),
+    [("prompt_num_top", "prompt_num_top has 1 entries for 2 prompt_counts"), ("prompt_ranks", "prompt_ranks has 1"),
+     ("prompt_top_ids", "prompt_top_ids has 3"), ("prompt_logprobs", "prompt_logprobs has 1")],
+)  # fmt: skip
+def test_malformed_prompt_scores_are_refused_naming_the_column(column: str, fragment: str) -> None:
+    pair = (TokenLogprob(1, -1.0, ((1, -1.0), (2, -2.0))), TokenLogprob(2, -2.0, ((1, -0.5), (2, -2.0))))
+    scores = PromptScores(pair, (1, 2))
+    msg = step_codec.result_to_pb(StepResult(1, prompt=[scores, PromptScores((), ())]))
+    getattr(msg, column).pop()
+    with pytest.raises(ValueError) as err:
+        step_codec.result_from_pb(msg)
+    assert fragment in str(err.value), str(err.value)

@@ -136,7 +136,6 @@ def wait_for_prefetch(req: Req, start: Callable[[Req, float], PrefetchTracker | 
 
 
 def match_key(req: Req) -> CacheKey:
-    """What a request may match: all of ``req.seq`` but the last token, which must be computed
-    (its logits are needed)."""
-    seq = req.seq
-    return CacheKey(seq[: len(seq) - 1], req.cache_salt)
+    """What a request may match: ``req.seq[:req.matchable]`` (all but the last token, whose logits
+    are needed; with its prompt still to score, only the positions already scored)."""
+    return CacheKey(req.tokens(0, req.matchable), req.cache_salt)
