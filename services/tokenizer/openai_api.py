@@ -373,8 +373,11 @@ class OpenAIFront:
             prepared = await self.backend.prepare(internal[0]) if chat else None
         except StrataError as e:
             raise api_error(e, prompt_field) from e
+        echo = None
+        if isinstance(body, CompletionRequest) and body.echo:  # a prompt of ids echoes as its text
+            echo = [p if isinstance(p, str) else self.backend.decode(p) for p in body.prompts()]
         reply = Reply(self.model, self.token_text, body, ("chatcmpl-" if chat else "cmpl-") + rid,
-                      self._chat_output(body, prepared), self.reasoning != "none")  # fmt: skip
+                      self._chat_output(body, prepared), self.reasoning != "none", echo)  # fmt: skip
         choices = Choices(partial(self.backend.generate, prepared=prepared), internal)
         if not body.stream:
             return await _unless_disconnected(request, self._whole(reply, choices, prompt_field))

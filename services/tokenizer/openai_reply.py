@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from services.common.step import MAX_TOP_LOGPROBS
 from services.tokenizer.chat_output import ChatDelta, ChatMessageBuilder, ChatOutput
 from services.tokenizer.openai_schema import ChatCompletionRequest, CompletionRequest
 from strata.v1 import strata_pb2 as pb
@@ -39,6 +40,7 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     last: pb.GenerateResponse | None = None
+    prompt: pb.PromptLogprobs | None = None
 
 
 def _first_per_key(pairs: Iterable[tuple[str, float]]) -> dict[str, float]:
@@ -69,10 +71,17 @@ class Reply:
         id_: str,
         chat_output: Callable[[], ChatOutput] | None = None,
         reasoning_key: bool = False,
+        echo: list[str] | None = None,
     ) -> None:
+        """``echo``: the text of each prompt, put before its choices' text (completions with
+        ``echo``; with ``logprobs`` the scored prompt's tokens come before the completion's too)."""
         self.model, self.token_text, self.body, self.id = model, token_text, body, id_
         self.chat = isinstance(body, ChatCompletionRequest)
         self.chat_output, self.reasoning_key = chat_output, reasoning_key
+        self.echo = echo
+        # Alternatives per echoed prompt token (the completion's logprobs), or None: no echoed logprobs.
+        self.echo_top = body.logprobs if isinstance(body, CompletionRequest) and echo is not None else None
+        self.prompt_top = body.prompt_logprobs  # vLLM's prompt_logprobs: None = not asked
         self.created = int(time.time())
         self.object = "chat.completion" if self.chat else "text_completion"
 
@@ -91,8 +100,13 @@ class Reply:
             "prompt_tokens_details": {"cached_tokens": cached},
         }
 
-    def logprobs(self, lps: list[pb.TokenLogprob], offset: int = 0) -> dict[str, Any] | None:
-        if not lps:
+    def logprobs(
+        self, lps: list[pb.TokenLogprob], offset: int = 0, prompt: pb.PromptLogprobs | None = None
+    ) -> dict[str, Any] | None:
+        """The ``logprobs`` object of ``lps``; ``prompt``: the echoed prompt's scores, which come
+        first (completions only: the first token's logprob and alternatives null)."""
+        echoed = prompt is not None and self.echo_top is not None
+        if not lps and not echoed:
             return None
         text = self.token_text
         if self.chat:
@@ -108,16 +122,41 @@ class Reply:
                 ]
             }
         tokens = [text(x.token_id) for x in lps]
+        values: list[float | None] = [x.logprob for x in lps]
+        def top(x: pb.TokenLogprob, k: int = MAX_TOP_LOGPROBS) -> dict[str, float]:
+            return _first_per_key((text(t.token_id), t.logprob) for t in x.top[:k])
+
+        tops: list[dict[str, float] | None] = [top(x) for x in lps]
+        if echoed:
+            assert prompt is not None and self.echo_top is not None
+            k, scored = self.echo_top, prompt.logprobs
+            tokens[:0] = [text(prompt.first_token_id), *(text(x.token_id) for x in scored)]
+            values[:0] = [None, *(x.logprob for x in scored)]
+            tops[:0] = [None, *(top(x, k) for x in scored)]
         offsets = []
         for t in tokens:
             offsets.append(offset)
             offset += len(t)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [x.logprob for x in lps],
-            "top_logprobs": [_first_per_key((text(t.token_id), t.logprob) for t in x.top) for x in lps],
-            "text_offset": offsets,
-        }
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def prompt_logprobs(self, prompt: pb.PromptLogprobs | None) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's ``prompt_logprobs``: null for the first token, then per token a dict token id ->
+        ``{logprob, rank, decoded_token}`` of the token and its best alternatives (rank 1, 2, ...)."""
+        if prompt is None or self.prompt_top is None:
+            return None
+        text, k = self.token_text, self.prompt_top
+        out: list[dict[str, dict[str, Any]] | None] = [None]
+        for x, rank in zip(prompt.logprobs, prompt.ranks, strict=True):
+            entry = {str(x.token_id): {"logprob": x.logprob, "rank": rank, "decoded_token": text(x.token_id)}}
+            for j, t in enumerate(x.top[:k]):
+                alt = {"logprob": t.logprob, "rank": j + 1, "decoded_token": text(t.token_id)}
+                entry.setdefault(str(t.token_id), alt)
+            out.append(entry)
+        return out
+
+    def _echo_text(self, index: int) -> str:
+        assert self.echo is not None
+        return self.echo[index // self.body.n]
 
     @staticmethod
     def _finish(resp: pb.GenerateResponse, calls: int = 0) -> str:
@@ -132,6 +171,8 @@ class Reply:
             c = got.setdefault(index, _Choice())
             c.text.append(resp.text)
             c.logprobs += resp.logprobs
+            if resp.HasField("prompt_logprobs"):
+                c.prompt = resp.prompt_logprobs
             if resp.finish_reason:
                 c.last = resp
         lasts = {i: c.last for i, c in got.items() if c.last is not None}
@@ -140,10 +181,12 @@ class Reply:
             c = got[i]
             assert c.last is not None
             text = "".join(c.text)
-            item: dict[str, Any] = {"index": i, "logprobs": self.logprobs(c.logprobs)}
+            item: dict[str, Any] = {"index": i, "logprobs": self.logprobs(c.logprobs, prompt=c.prompt)}
             calls = 0
             if not self.chat:
-                item["text"] = text
+                item["text"] = self._echo_text(i) + text if self.echo is not None else text
+                if self.prompt_top is not None:
+                    item["prompt_logprobs"] = self.prompt_logprobs(c.prompt)
             elif self.chat_output is None:
                 item["message"] = {"role": "assistant", "content": text}
             else:
@@ -154,7 +197,10 @@ class Reply:
                 calls = split.calls
             item["finish_reason"] = self._finish(c.last, calls)
             out.append(item)
-        return {**self._head(self.object), "choices": out, "usage": self.usage(lasts)}
+        whole = {**self._head(self.object), "choices": out, "usage": self.usage(lasts)}
+        if self.chat and self.prompt_top is not None:  # vLLM's place for it: one prompt for every choice
+            whole["prompt_logprobs"] = self.prompt_logprobs(got[0].prompt if 0 in got else None)
+        return whole
 
     async def events(self, choices: ChoiceStream) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
@@ -184,15 +230,24 @@ class Reply:
             if passthrough and not finished and not resp.logprobs and index in started:
                 yield b"data: " + (plain % (index, json.dumps(resp.text))).encode() + b"\n\n"
                 continue
-            choice: dict[str, Any] = {
-                "index": index,
-                "logprobs": self.logprobs(list(resp.logprobs), offsets.get(index, 0)),
-                "finish_reason": None,
-            }
-            offsets[index] = offsets.get(index, 0) + sum(len(self.token_text(x.token_id)) for x in resp.logprobs)
+            # A choice's first chunk brings the echoed prompt (text, and its scores with logprobs).
+            first = index not in started
+            scored = resp.prompt_logprobs if resp.HasField("prompt_logprobs") else None
+            lp = self.logprobs(list(resp.logprobs), offsets.get(index, 0), scored if first else None)
+            choice: dict[str, Any] = {"index": index, "logprobs": lp, "finish_reason": None}
+            if lp is not None and not self.chat:
+                offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
             calls = 0
+            extra: dict[str, Any] = {}
+            if scored is not None and self.prompt_top is not None:
+                if not self.chat:
+                    extra["prompt_logprobs"] = self.prompt_logprobs(scored)
+                elif index == 0:
+                    extra = {"prompt_logprobs": self.prompt_logprobs(scored)}
             if not self.chat:
-                choice["text"] = resp.text
+                choice["text"] = self._echo_text(index) + resp.text if first and self.echo is not None else resp.text
+                choice.update(extra)
+                extra = {}
             elif fast:
                 choice["delta"] = {"content": resp.text}
             else:
@@ -210,7 +265,7 @@ class Reply:
             if finished:
                 choice["finish_reason"] = self._finish(resp, calls)
             started.add(index)
-            chunk = {**self._head(obj), "choices": [choice]}
+            chunk = {**self._head(obj), "choices": [choice], **extra}
             if include_usage:
                 chunk["usage"] = None
             yield sse(chunk)

@@ -146,7 +146,9 @@ class _Sampling(_Body):
             raise ValueError("stream_options: only allowed when stream is true")
         return self
 
-    def sampling(self, max_tokens: int | None) -> pb.SamplingParams:
+    def sampling(self, max_tokens: int | None, zero_ok: bool | None = None) -> pb.SamplingParams:
+        """``zero_ok``: whether ``max_tokens`` 0 (a prompt scored alone) is allowed; None: the
+        endpoint has no such mode."""
         s = pb.SamplingParams(
             top_k=self.top_k,
             min_p=self.min_p,
@@ -165,8 +167,9 @@ class _Sampling(_Body):
         if self.repetition_penalty is not None:
             s.repetition_penalty = self.repetition_penalty
         if max_tokens is not None:
-            if max_tokens < 1:
-                raise InvalidArgument(f"sampling.max_new_tokens: must be >= 1, got {max_tokens}")
+            if max_tokens < 1 and not (max_tokens == 0 and zero_ok):
+                why = " (0 only with echo or prompt_logprobs: the prompt scored alone)" if zero_ok is not None else ""
+                raise InvalidArgument(f"sampling.max_new_tokens: must be >= 1{why}, got {max_tokens}")
             s.max_new_tokens = max_tokens
         return s
 
@@ -236,6 +239,8 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's extra: score the prompt, this many alternatives per token (response: prompt_logprobs)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="after")
     def _chat_rules(self) -> ChatCompletionRequest:
@@ -266,6 +271,7 @@ class ChatCompletionRequest(_Sampling):
             return_logprobs=self.logprobs,
             top_logprobs=self.top_logprobs or 0,
             stream=True,
+            prompt_logprobs=self.prompt_logprobs,
         )
         req.messages.CopyFrom(chat_messages(self.messages, self.tools, self.chat_template_kwargs))
         if isinstance(self.tool_choice, NamedToolChoice):
@@ -278,6 +284,12 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
+    """``echo`` puts the prompt before each choice's text, and with ``logprobs`` its tokens before
+    the completion's (the first with a null logprob, as it has no context); ``max_tokens`` 0 with
+    ``echo`` (or ``prompt_logprobs``) scores the prompt alone. ``prompt_logprobs`` (vLLM's extra)
+    adds each choice's ``prompt_logprobs``: null, then per prompt token a dict token id ->
+    ``{logprob, rank, decoded_token}`` of the token and its ``prompt_logprobs`` best alternatives."""
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for this endpoint
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -285,11 +297,10 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
     suffix: str | None = None
     response_format: ResponseFormat | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="after")
     def _completion_rules(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo: not supported")
         if self.suffix:
             raise ValueError("suffix: not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -306,15 +317,26 @@ class CompletionRequest(_Sampling):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
+    def scored(self) -> int | None:
+        """Alternatives per prompt token to ask of the server, or None when the prompt is not scored:
+        ``prompt_logprobs``, the echoed prompt's ``logprobs``, or 0 for a prompt scored alone with
+        nothing to return (``max_tokens`` 0 generates nothing, and only scoring runs a request so)."""
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        if asked:
+            return max(asked)
+        return 0 if self.max_tokens == 0 and self.echo else None
+
     def requests(self, request_id: str) -> list[pb.GenerateRequest]:
         base = []
+        scored = self.scored()
         for prompt in self.prompts():
             req = pb.GenerateRequest(
-                sampling=self.sampling(self.max_tokens),
+                sampling=self.sampling(self.max_tokens, zero_ok=scored is not None),
                 cache_salt=self.cache_salt,
                 return_logprobs=self.logprobs is not None,
                 top_logprobs=self.logprobs or 0,
                 stream=True,
+                prompt_logprobs=scored,
             )
             if isinstance(prompt, str):
                 req.text = prompt

@@ -225,8 +225,9 @@ class StrataServicer(pgrpc.StrataServicer):
         if prepared is None:
             prepared = await self.prepare(request)
         ids = prepared.ids
+        scoring = request.prompt_logprobs if request.HasField("prompt_logprobs") else None
         gen = validation.generation(
-            request.sampling, len(ids), self.limits, request.return_logprobs, request.top_logprobs
+            request.sampling, len(ids), self.limits, request.return_logprobs, request.top_logprobs, scoring
         )
         sreq = spb.GenerateRequest(
             request_id=rid,
@@ -235,6 +236,7 @@ class StrataServicer(pgrpc.StrataServicer):
             cache_salt=request.cache_salt,
             return_logprobs=request.return_logprobs,
             top_logprobs=request.top_logprobs,
+            prompt_logprobs=scoring,
         )
         if not sreq.sampling.HasField("seed"):  # ours, so that a resumed stream draws as this one would
             sreq.sampling.seed = secrets.randbits(63)
@@ -247,6 +249,7 @@ class StrataServicer(pgrpc.StrataServicer):
         all_ids: list[int] = []
         all_text: list[str] = []
         all_lps: list[pb.TokenLogprob] = []
+        scored: pb.PromptLogprobs | None = None  # the scored prompt (prompt_logprobs), for the whole answer
         streamed: list[int] = []  # every output token so far: what a resumed request continues from
         # Our own CLIENT span, ended below whatever way the stream ends (an interceptor's span stays
         # open when the tokenizer stops reading early, and the scheduler's span loses its parent).
@@ -277,6 +280,10 @@ class StrataServicer(pgrpc.StrataServicer):
                     end = None  # its tokens (sampled before it failed) still go out first
                 progressed = progressed or bool(chunk.token_ids)
                 resume = failure is not None and self._resumable(chunk, failure, ticket, tried, progressed)
+                if chunk.prompt is not None:
+                    scored = chunk.prompt
+                    if request.stream:
+                        final.prompt_logprobs.CopyFrom(scored)
                 if chunk.token_ids:
                     now = time.perf_counter()
                     if first is not None and self.metrics is not None:
@@ -331,6 +338,7 @@ class StrataServicer(pgrpc.StrataServicer):
                             finish_reason=final.finish_reason,
                             usage=final.usage,
                             error=final.error,
+                            prompt_logprobs=scored,
                         )
                     return
                 if resume or handoff:
@@ -498,6 +506,7 @@ def _continuation(sreq: spb.GenerateRequest, streamed: list[int], max_new_tokens
     cont.CopyFrom(sreq)
     cont.output_ids[:] = streamed
     cont.sampling.max_new_tokens = max_new_tokens
+    cont.ClearField("prompt_logprobs")  # scored where it began, sent with the first token
     return cont
 
 

@@ -39,6 +39,7 @@ class Chunk:
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     end: spb.RequestEnd | None = None
     lost: bool = False
+    prompt: pb.PromptLogprobs | None = None  # the scored prompt (with the first tokens, or the end)
 
 
 class Inbox:
@@ -79,6 +80,7 @@ class Inbox:
             merged.logprobs += c.logprobs
             merged.end = merged.end or c.end
             merged.lost = merged.lost or c.lost
+            merged.prompt = merged.prompt or c.prompt
         return merged
 
     def close(self) -> None:
@@ -145,6 +147,8 @@ class SchedulerSession:
         for lp in msg.logprobs:
             if lp.handle in chunks:
                 chunks[lp.handle].logprobs = list(lp.logprobs)
+        for scored in msg.prompt_logprobs:
+            chunks.setdefault(scored.handle, Chunk()).prompt = scored.prompt
         for end in msg.ends:
             chunk = chunks.get(end.handle)
             if chunk is None:

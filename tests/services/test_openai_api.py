@@ -218,7 +218,11 @@ COMPLETION = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
         ("completions", {"prompt": [10**7]}, "prompt"),
         ("completions", {"prompt": "x" * 20000}, "prompt"),
         ("completions", {"logprobs": 50}, "logprobs"),
-        ("completions", {"echo": True}, "echo"),
+        ("completions", {"echo": True, "logprobs": 21}, "logprobs"),
+        ("completions", {"prompt_logprobs": -1}, "prompt_logprobs"),
+        ("completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+        ("completions", {"max_tokens": 0}, "max_tokens"),  # 0 only with echo or prompt_logprobs
+        ("chat", {"prompt_logprobs": -1}, "prompt_logprobs"),
         ("completions", {"max_tokens": -2}, "max_tokens"),
     ],
 )
