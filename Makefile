@@ -14,7 +14,7 @@ PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := strata/.generated
 PORT ?= 50051
 
-.PHONY: fuzz native bench-attention gpu-check gpu-wheels run test test-unit test-engine test-services test-all soak bench bench-servers bench-vllm bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas bench-tp bench-overhead bench-spec bench-pd soak-hicache soak-text compose-certs lint protos install system-deps models clean
+.PHONY: fuzz native bench-attention gpu-check gpu-wheels run test test-unit test-engine test-services test-all soak bench bench-servers bench-vllm bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas bench-tp bench-overhead bench-spec bench-pd eval soak-hicache soak-text compose-certs lint protos install system-deps models clean
 
 run: install models
 	$(BIN)/strata up --model $(TINY) --port $(PORT)
@@ -66,6 +66,14 @@ VLLM_PYTHON ?= $(STRATA_VLLM_PYTHON)
 bench-vllm: install $(BENCH_MODEL)/config.json $(NULL_MODEL)/config.json
 	$(BIN)/strata bench --only servers --peer vllm --vllm-python "$(VLLM_PYTHON)" --model $(BENCH_MODEL) \
 	  --null-model $(NULL_MODEL) --run-dir .runs/bench-vllm
+
+# lm-evaluation-harness (issue #28): its `local-completions` model against a Strata stack vs its `hf` backend
+# on the tiny checkpoint, a loglikelihood task over a committed jsonl (benchmarks/lm_eval/, nothing downloaded);
+# fails unless every loglikelihood agrees within 1e-4 (~30 s; installs the eval extra). Writes docs/bench/lm_eval.json.
+eval: install models
+	@$(BIN)/python -c 'import lm_eval' 2>/dev/null || $(BIN)/pip install -q --disable-pip-version-check \
+	  -c constraints.txt -e '.[eval]' --config-settings editable_mode=compat
+	$(BIN)/python -m benchmarks.lm_eval_compare --model $(TINY) --out docs/bench/lm_eval.json
 
 $(BENCH_MODEL)/config.json: | install
 	$(BIN)/strata model tiny --arch qwen3 --size bench --out $(BENCH_MODEL)
