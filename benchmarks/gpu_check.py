@@ -9,8 +9,9 @@ default: with the wheels' install the whole call fits the device tool's 10-minut
 1. ``env``      the device (name, memory, SMs, capability), library versions, CUDA VMM availability;
 2. ``models``   the checkpoints (``strata model tiny``): tiny Qwen3 and Qwen3-Next (the tests), bench
                 and 0.6b (the step benchmark), null (the control plane), generated side by side;
-3. ``kernels``  tests/engine/test_kernels_triton.py: every Triton kernel compiled for the device
-                against its torch reference (no interpreter), and compiled for sm_90;
+3. ``kernels``  tests/engine/test_kernels_triton.py and test_fused_triton.py: every Triton kernel
+                compiled for the device against its torch reference (no interpreter), and compiled
+                for sm_90; the layers' use of the elementwise kernels on the device;
 4. ``elastic``  tests/unit/test_elastic.py (the CUDA VMM pool reserved once, grown and shrunk in place)
                 and tests/engine/test_elastic_loop.py (elastic pools under the scheduler loop);
 5. ``engine``   the engine against transformers on the device: test_engine_device.py (fp32 and bf16,
@@ -55,7 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Each test phase: the files it runs on the device, and (dry run) the one cheap test it runs on the CPU.
 TEST_PHASES: dict[str, tuple[tuple[str, ...], str]] = {
-    "kernels": (("tests/engine/test_kernels_triton.py",), "bitmask"),
+    "kernels": (("tests/engine/test_kernels_triton.py", "tests/engine/test_fused_triton.py"), "bitmask"),
     "elastic": (("tests/unit/test_elastic.py", "tests/engine/test_elastic_loop.py"), "errors_are_precise"),
     "engine": (
         (

@@ -8,10 +8,9 @@ computed from the config (rotary frequencies) is made on first use, on the input
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kernels import fused
+from kernels import fused, fused_triton
 from services.worker.tp import SINGLE, RowLinear, Tp, column_linear
 
 
@@ -21,6 +20,10 @@ class RMSNorm(nn.Module):
     ``unit_offset=False`` (Qwen3, Llama): ``weight * norm(x).to(x.dtype)``.
     ``unit_offset=True`` (Qwen3-Next): ``(norm(x) * (1 + weight)).to(x.dtype)`` — the weight is
     stored centred on zero and the scaling happens before the cast back.
+
+    On CUDA tensors each method is one Triton kernel (``kernels/fused_triton.py``); on the CPU
+    ``add_norm`` of fp32 tensors is one native pass (``kernels/fused.py``), and everything else runs
+    the torch reference, ``fused_triton.rms_norm_torch``.
     """
 
     def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
@@ -30,22 +33,17 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # torch's fused kernel: the same result bit for bit in fp32, one pass instead of six
-            # (q/k norms over every head of a prefill: 3x faster).
-            weight = 1.0 + self.weight if self.unit_offset else self.weight
-            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.unit_offset:
-            return (normed * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
+        if fused_triton.usable(x, self.weight):
+            return fused_triton.rms_norm(x, self.weight, self.eps, self.unit_offset)
+        return fused_triton.rms_norm_torch(x, self.weight, self.eps, self.unit_offset)
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """``x += residual`` in place (the residual stream after a block), then its norm: one
-        native pass on fp32 CPU tensors instead of torch's two."""
+        """``x += residual`` in place (the residual stream after a block), then its norm: one pass
+        (native on fp32 CPU tensors, Triton on CUDA ones) instead of torch's two."""
         if not self.unit_offset and fused.usable(x, residual, self.weight):
             return fused.add_rms_norm_(x, residual, self.weight, self.eps)
+        if fused_triton.usable(x, residual, self.weight):
+            return fused_triton.add_rms_norm_(x, residual, self.weight, self.eps, self.unit_offset)
         return self(x.add_(residual))
 
 
@@ -77,31 +75,23 @@ class RotaryEmbedding:
         freqs = positions.float()[:, None] * inv[None, :]
         return freqs.cos(), freqs.sin()
 
-    def norm_apply(
-        self, x: torch.Tensor, norm: RMSNorm | None, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
+    def norm_apply(self, x: torch.Tensor, norm: RMSNorm | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``apply(norm(x))`` (``norm`` None: ``apply(x)``) for ``x [T, H, head_dim]``: in place in
-        one native pass on fp32 CPU tensors (the q / k norm and rotary of a prefill were six torch
-        passes and the layer's most expensive elementwise work)."""
-        weight = None if norm is None or norm.unit_offset else norm.weight
-        if (norm is None or weight is not None) and fused.usable(x, cos, sin, *(() if weight is None else (weight,))):
-            return fused.rms_norm_rope_(x, weight, norm.eps if norm is not None else 0.0, cos, sin, self.rotary_dim)
+        one pass, native on fp32 CPU tensors, Triton on CUDA ones (torch runs it as ~15 kernels per
+        tensor, and on the CPU it was a prefill layer's most expensive elementwise work)."""
+        weight = None if norm is None else norm.weight
+        eps = 0.0 if norm is None else norm.eps
+        unit_offset = norm is not None and norm.unit_offset
+        tensors = (x,) if weight is None else (x, weight)
+        if not unit_offset and fused.usable(*tensors, cos, sin):
+            return fused.rms_norm_rope_(x, weight, eps, cos, sin, self.rotary_dim)
+        if fused_triton.usable(*tensors):
+            return fused_triton.rms_norm_rope_(x, weight, eps, cos, sin, self.rotary_dim, unit_offset)
         return self.apply(x if norm is None else norm(x), cos, sin)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [T, H, head_dim]`` by the per-token angles (``cos``/``sin`` from ``cos_sin``)."""
-        half = self.rotary_dim // 2
-        c = cos[:, None, :].to(x.dtype)
-        s = sin[:, None, :].to(x.dtype)
-        x1 = x[..., :half]
-        x2 = x[..., half : self.rotary_dim]
-        # x1*c - x2*s and x2*c + x1*s written into one output (the same products and sums, so the
-        # same values as with separate tensors and a cat; two temporaries instead of six and a copy).
-        out = torch.empty_like(x) if self.rotary_dim == self.head_dim else x.clone()
-        o1, o2 = out[..., :half], out[..., half : self.rotary_dim]
-        torch.mul(x1, c, out=o1).sub_(x2 * s)
-        torch.mul(x2, c, out=o2).add_(x1 * s)
-        return out
+        return fused_triton.rope_torch(x, cos, sin, self.rotary_dim)
 
 
 class SwiGLU(nn.Module):
@@ -122,7 +112,11 @@ class SwiGLU(nn.Module):
         # In place on the gate's output: two [T, intermediate] temporaries fewer per layer (the
         # same operations in the same order, so the same values).
         gate, up = self.gate_proj(x), self.up_proj(x)
-        h = fused.silu_mul_(gate, up) if fused.usable(gate, up) else F.silu(gate, inplace=True).mul_(up)
+        if fused.usable(gate, up):
+            h = fused.silu_mul_(gate, up)
+        elif fused_triton.usable(gate, up):
+            h = fused_triton.silu_mul_(gate, up)
+        else:
+            h = fused_triton.silu_mul_torch_(gate, up)
         y = self.down_proj(h)
         return self.tp.all_reduce(y) if reduce else y
-

@@ -16,22 +16,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels import fused_triton
 from services.worker.batch import ForwardBatch, ForwardContext
+from services.worker.models.layers import RMSNorm
 from services.worker.tp import SINGLE, RowLinear, Tp, column_linear
 
 
-class ZeroCentredRMSNorm(nn.Module):
-    """RMSNorm whose weight is an offset from one: ``(x_hat * (1 + w))`` computed in fp32."""
+class ZeroCentredRMSNorm(RMSNorm):
+    """RMSNorm whose weight is an offset from one: ``(x_hat * (1 + w))`` computed in fp32
+    (``RMSNorm(unit_offset=True)``, its weight starting at zero)."""
 
     def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).type_as(x)
+        super().__init__(dim, eps, unit_offset=True)
+        nn.init.zeros_(self.weight)
 
 
 class PartialRotary:
@@ -58,6 +55,11 @@ class PartialRotary:
             exps = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device=device) / self.rotary_dim
             self._inv_freq = 1.0 / (self.base**exps)
         return self._inv_freq
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin [T, rotary_dim / 2]`` (fp32): the halves that ``__call__`` repeats."""
+        freqs = positions.float()[:, None] * self._freqs(positions.device)[None, :]
+        return freqs.cos(), freqs.sin()
 
     def __call__(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
         """Rotate each ``x [T, H, D]`` by its token's position; dims past ``rotary_dim`` pass through."""
@@ -110,16 +112,19 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCentredRMSNorm(head_dim, eps)
         self.k_norm = ZeroCentredRMSNorm(head_dim, eps)
 
-    def forward(
-        self, x: torch.Tensor, rotary: PartialRotary, batch: ForwardBatch, ctx: ForwardContext
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: PartialRotary, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         # q_proj is laid out per head as [query (D) | gate (D)].
         q, gate = torch.chunk(self.q_proj(x).view(t, self.hq, 2 * self.d), 2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(t, self.hkv, self.d))
+        k = self.k_proj(x).view(t, self.hkv, self.d)
         v = self.v_proj(x).view(t, self.hkv, self.d)
-        q, k = rotary(batch.positions, q, k)
+        if fused_triton.usable(q, k, self.q_norm.weight, self.k_norm.weight):
+            # CUDA: each norm + rotary one kernel, in place (q a view of the projection's query half).
+            cos, sin = rotary.cos_sin(batch.positions)
+            for h, norm in ((q, self.q_norm), (k, self.k_norm)):
+                fused_triton.rms_norm_rope_(h, norm.weight, norm.eps, cos, sin, rotary.rotary_dim, unit_offset=True)
+        else:
+            q, k = rotary(batch.positions, self.q_norm(q), self.k_norm(k))
         o = ctx.attn.forward(q, k, v, self.kv_layer, batch, self.d**-0.5)
         o = o.to(x.dtype).reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
         return self.tp.all_reduce(self.o_proj(o))
