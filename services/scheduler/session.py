@@ -74,8 +74,18 @@ class Session:
             entry.timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, handle)
 
     def running(self, handle: int, req: Req, on_end: Callable[[], None]) -> None:
-        """``req`` was admitted (submitted to the loop) for ``handle``: its events come here."""
-        entry = self.entries[handle]
+        """``req`` was admitted (submitted to the loop) for ``handle``: its events come here. If the
+        call ended meanwhile (``close`` cancelled the admission, but Python 3.11's
+        ``asyncio.wait_for`` in the L3 lookup may swallow a cancellation that races its result),
+        ``req`` is aborted and forgotten once it ends: nobody reads it, and its id must be free
+        for the continuation the tokenizer sends elsewhere, or here again."""
+        entry = self.entries.get(handle)
+        if entry is None:
+            rid = req.rid
+            req.sink = lambda ev: self.forget(rid) if isinstance(ev, FinishEvent | FailEvent) else None
+            self.abort(rid)
+            on_end()
+            return
         entry.req, entry.task, entry.on_end = req, None, on_end
         req.sink = lambda ev: self.push(handle, ev)
 

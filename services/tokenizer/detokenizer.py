@@ -55,9 +55,16 @@ class IncrementalDetokenizer:
         return self._release(final=False)
 
     def flush(self) -> Chunk:
-        """Generation ended: release everything held back (stop strings cannot complete now)."""
+        """Generation ended: release everything held back (stop strings cannot complete now),
+        the text of ids still waiting to complete a character included — as a whole decode
+        would show it, with U+FFFD for an unfinished character."""
         if self.stopped:
             return Chunk("", True)
+        if self._read_offset < len(self._ids):
+            prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            full = self._decode(self._ids[self._prefix_offset :])
+            self._pending += full[len(prefix) :]
+            self._read_offset = len(self._ids)
         return self._release(final=True)
 
     def _release(self, final: bool) -> Chunk:

@@ -106,8 +106,8 @@ class Router:
                 self._watches.pop(address).cancel()
                 self.index.drop(address)
                 session = self._sessions.pop(address, None)
-                if session is not None:
-                    await session.close()
+                if session is not None:  # its requests resume elsewhere (or here, once it registers again)
+                    await session.close(gone=True)
                 log.info("scheduler %s left: dropped from the cache index", address)
             await asyncio.sleep(WATCH_SYNC_S)
 

@@ -173,7 +173,12 @@ class SchedulerSession:
             log.info("session with scheduler %s ended (%s: %s): %d requests failed", self.address, code.name,
                      details, len(inboxes))  # fmt: skip
 
-    async def close(self) -> None:
+    async def close(self, gone: bool = False) -> None:
+        """End the stream. ``gone``: its scheduler left discovery (its lease lapsed: dead, or
+        frozen past the lease's TTL), so its requests end ``lost`` and are resumed elsewhere, as
+        when the stream breaks; otherwise the tokenizer is stopping and they end CANCELLED."""
+        if gone:
+            self._fail_all(grpc.StatusCode.UNAVAILABLE, f"scheduler {self.address} left discovery")
         self._out.put_nowait(None)
         if self._reader is not None:
             self._reader.cancel()

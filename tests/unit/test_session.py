@@ -195,3 +195,40 @@ def test_closing_an_unfinished_inbox_aborts_it_on_the_session() -> None:
         assert m.WhichOneof("kind") == "abort" and m.abort == 7 and sess._out.empty()
 
     asyncio.run(run())
+
+
+def test_a_scheduler_that_left_discovery_loses_its_requests_to_resume() -> None:
+    """Found by the chaos run (issue #29): a scheduler SIGSTOPped past its lease leaves etcd and
+    the router closes its session; its requests must end ``lost`` (resumed elsewhere), not
+    CANCELLED as when the tokenizer itself stops."""
+
+    async def run() -> None:
+        sess = SchedulerSession(None, "sched:1")  # type: ignore[arg-type]
+        inbox = sess._inboxes[1] = Inbox(1, sess._abort)
+        await sess.close(gone=True)
+        chunk = await inbox.next()
+        assert chunk.end is not None and chunk.lost
+        assert chunk.end.status_code == grpc.StatusCode.UNAVAILABLE.value[0]
+        assert "left discovery" in chunk.end.error
+
+    asyncio.run(run())
+
+
+def test_an_admission_that_ends_after_its_call_is_aborted_and_forgotten() -> None:
+    """Found by the chaos run: the call ended (``close``) while a request was being admitted, and
+    the admission still completed (a cancellation lost in ``asyncio.wait_for``): ``running`` found
+    no entry (KeyError in a task nobody awaited) and the request ran unread, its id held for ever."""
+
+    async def run() -> None:
+        s, loop = _session()
+        s.open(4, _idle, 0.0)
+        s.close()
+        ended: list[bool] = []
+        req = _req("late")
+        s.running(4, req, lambda: ended.append(True))
+        assert loop.aborted == ["late"] and ended == [True] and 4 not in s.entries
+        assert loop.forgotten == []  # its id stays taken until the loop has ended it
+        req.emit_abort()
+        assert loop.forgotten == ["late"] and s.take() is None
+
+    asyncio.run(run())
