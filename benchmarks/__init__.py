@@ -8,6 +8,8 @@ hicache.py        TTFT recomputed vs from the device, the host pool and L3 (make
 hicache_rig.py    what hicache.py stands on: pool sizes for a model, a kvstore server process
 hicache_tiers.py  forcing and proving the tier a hicache.py request is served from
 hicache_soak.py   the hierarchical-cache soak: RSS of every service under L3 load (make soak-hicache)
+chaos.py          kills and freezes under load: lost / wrong requests, resume latency, RSS slopes
+                  (make chaos-short, make chaos; with chaos_load.py, chaos_report.py, chaos_stats.py)
 elastic.py        elastic KV + Mamba pools vs static splits of one budget (make bench-elastic)
 hybrid.py         hybrid vs dense prefix reuse, Marconi vs LRU state eviction (make bench-hybrid)
 replicas.py       KV-aware routing vs round-robin vs least-load over replicas (make bench-replicas)
