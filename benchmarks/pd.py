@@ -16,8 +16,8 @@ streams' inter-token latency p50 / p99 in each phase (gaps between a stream's to
 divided by the tokens in the later one; from the second token on), the gap after each stream's
 first token apart (with PD: the hand-over), the burst / quiet ratio of p99 (the issue's goal: PD's
 <= 1.5), the long prompts' TTFT and the gap after their first token (the hand-over's cost with
-PD), bytes moved through the kvstore per long-prompt token (pages put + pages read, from its
-metrics), and each process's CPU.
+PD), bytes moved through the kvstore per long-prompt token (host pages put + pages read back, from
+the schedulers' ``hicache_events``; the decode streams' pages count too), and each process's CPU.
 
 On a 2-core machine both replicas share the same cores in both configurations: what PD can
 separate is the step (a decode step never waits for a prefill chunk), not the processors.
@@ -103,9 +103,15 @@ def _stack(cfg: Config, name: str, run_dir: Path) -> Stack:
 
 
 def _kvstore_pages(stack: Stack) -> float:
-    text = urllib.request.urlopen(f"http://{stack.child('kvstore').extra['metrics']}/metrics", timeout=5).read()
-    got = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.decode().splitlines() if ln.startswith("strata_")}
-    return got.get("strata_kvstore_pages", 0.0) + got.get("strata_kvstore_hits", 0.0)
+    """Host pages put to the kvstore and read back from it so far, over both schedulers (their
+    cumulative ``hicache_events``)."""
+    events = ('strata_scheduler_hicache_events_total{event="put_pages"}',
+              'strata_scheduler_hicache_events_total{event="prefetched_pages"}')  # fmt: skip
+    total = 0.0
+    for name in ("scheduler", "scheduler-1"):
+        text = urllib.request.urlopen(f"http://{stack.child(name).extra['metrics']}/metrics", timeout=5).read()
+        total += sum(float(ln.rsplit(" ", 1)[1]) for ln in text.decode().splitlines() if ln.startswith(events))
+    return total
 
 
 def _kv_bytes_per_token(model: Path) -> int:
