@@ -16,16 +16,15 @@ on the CPU (on a GPU both are CUDA's expf).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from tests import triton_child
+from tests.triton_child import child_main
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = (torch.float32, torch.bfloat16)
@@ -216,16 +215,7 @@ FAMILIES: dict[str, Callable[[], Results]] = {
 
 
 def run_child(family: str, interpret: bool) -> Results:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), family],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, f"{family} child failed:\n{proc.stdout}\n{proc.stderr}"
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {name: (got, limit) for name, (got, limit) in results.items()}
+    return {name: (got, limit) for name, (got, limit) in triton_child.run(__file__, family, interpret).items()}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -300,20 +290,4 @@ def test_the_layers_use_the_kernels_on_cuda(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 if __name__ == "__main__":
-    # Child mode: `compile` without the interpreter; the numeric cases under it on the CPU, or compiled
-    # on the test device.
-    sys.path.insert(0, str(ROOT))
-    from tests.device import TEST_DEVICE
-
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if sys.argv[1] == "compile":
-        if interpreted:
-            sys.exit("run `compile` without TRITON_INTERPRET")
-        print(json.dumps(compile_for_sm90()))
-    else:
-        if interpreted == (TEST_DEVICE != "cpu"):
-            sys.exit("run with TRITON_INTERPRET=1 on the CPU, without it on a GPU (STRATA_TEST_DEVICE)")
-        if TEST_DEVICE != "cpu":
-            torch.set_default_device(TEST_DEVICE)
-        torch.manual_seed(0)
-        print(json.dumps(FAMILIES[sys.argv[1]]()))
+    child_main(FAMILIES, compile_for_sm90)

@@ -14,17 +14,16 @@ and the interpreter stays off; the bf16 shared kernel, which the interpreter can
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import pytest
 import torch
+
+from tests import triton_child
+from tests.triton_child import child_main
 
 if TYPE_CHECKING:
     from kernels.attention.prefix_groups import PrefixGroups
@@ -504,15 +503,7 @@ FAMILIES: dict[str, Callable[[], Results]] = {
 def run_family(family: str) -> Results:
     from tests.device import TEST_DEVICE
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if TEST_DEVICE == "cpu":
-        env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), family],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, f"{family} child failed:\n{proc.stdout}\n{proc.stderr}"
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = triton_child.run(__file__, family, interpret=TEST_DEVICE == "cpu")
     return {name: (err, tol) for name, (err, tol) in results.items()}
 
 
@@ -525,32 +516,10 @@ def test_triton_kernel_matches_torch_reference(family: str) -> None:
 
 
 def test_triton_kernels_compile_for_a_hopper_gpu() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "compile"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, f"compile child failed:\n{proc.stdout}\n{proc.stderr}"
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = triton_child.run(__file__, "compile", interpret=False)
     assert len(results) == 12
     assert all(status == "ok" for status in results.values()), results
 
 
 if __name__ == "__main__":
-    # Child mode. `compile` must see real kernels; the numeric cases the interpreter on the CPU, or
-    # the compiled kernels on the test device.
-    sys.path.insert(0, str(ROOT))
-    from tests.device import TEST_DEVICE
-
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if sys.argv[1] == "compile":
-        if interpreted:
-            sys.exit("run `compile` without TRITON_INTERPRET")
-        print(json.dumps(compile_for_sm90()))
-    else:
-        if interpreted == (TEST_DEVICE != "cpu"):
-            sys.exit("run with TRITON_INTERPRET=1 on the CPU, without it on a GPU (STRATA_TEST_DEVICE)")
-        if TEST_DEVICE != "cpu":
-            torch.set_default_device(TEST_DEVICE)
-        torch.manual_seed(0)
-        print(json.dumps(FAMILIES[sys.argv[1]]()))
+    child_main(FAMILIES, compile_for_sm90)
