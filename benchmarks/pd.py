@@ -43,7 +43,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
+import torch  # noqa: E402
 
+from benchmarks.gpu_step import kv_slot_bytes  # noqa: E402
 from services.common.etcd_proc import free_port  # noqa: E402
 from services.supervisor import Stack, start_stack  # noqa: E402
 from strata.v1 import strata_pb2 as pb  # noqa: E402
@@ -112,12 +114,6 @@ def _kvstore_pages(stack: Stack) -> float:
         text = urllib.request.urlopen(f"http://{stack.child(name).extra['metrics']}/metrics", timeout=5).read()
         total += sum(float(ln.rsplit(" ", 1)[1]) for ln in text.decode().splitlines() if ln.startswith(events))
     return total
-
-
-def _kv_bytes_per_token(model: Path) -> int:
-    c = json.loads((model / "config.json").read_text())
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 4
 
 
 def _cpu(stack: Stack) -> dict[str, float]:
@@ -192,7 +188,9 @@ async def _measure(cfg: Config, stack: Stack, name: str, repeat: int, rng: rando
         run.long_ttft_ms = statistics.median(m[1][0] - m[0][0] for m in longs if len(m) > 1) * 1e3
         seconds = [m[2][0] - m[1][0] for m in longs if len(m) > 2]
         run.long_second_token_ms = statistics.median(seconds) * 1e3 if seconds else 0.0
-        moved = (_kvstore_pages(stack) - pages0) * HOST_PAGE_TOKENS * _kv_bytes_per_token(cfg.model)
+        config = json.loads((cfg.model / "config.json").read_text())
+        page_bytes = HOST_PAGE_TOKENS * kv_slot_bytes(config, torch.float32)
+        moved = (_kvstore_pages(stack) - pages0) * page_bytes
         run.kv_bytes_per_long_token = moved / (len(longs) * cfg.long_len)
     return run
 

@@ -442,11 +442,14 @@ class Batcher:
         for req, since, deadline in self.handoffs:
             stored = self.mem.handed_over(req)
             if stored or now >= deadline:
-                self.handed_over.append((now - since, stored))
-                req.emit(FinishEvent(Finish.HANDOFF, len(req.prompt), len(req.output), req.cached_tokens))
+                self._hand_over(req, now - since, stored)
             else:
                 left.append((req, since, deadline))
         self.handoffs = left
+
+    def _hand_over(self, req: Req, waited: float, stored: bool) -> None:
+        self.handed_over.append((waited, stored))
+        req.emit(FinishEvent(Finish.HANDOFF, len(req.prompt), len(req.output), req.cached_tokens))
 
     def _retract_newest(self, exclude: Req) -> Req | None:
         for victim in reversed(self.running):
@@ -476,8 +479,7 @@ class Batcher:
         the handed-over ones now (their puts died with the worker)."""
         self.handoffs, waiting = [], self.handoffs
         for req, since, _ in waiting:
-            self.handed_over.append((time.monotonic() - since, False))
-            req.emit(FinishEvent(Finish.HANDOFF, len(req.prompt), len(req.output), req.cached_tokens))
+            self._hand_over(req, time.monotonic() - since, False)
         for req in reversed(self.running):
             self.waiting.appendleft(req)
         for req in self.waiting:

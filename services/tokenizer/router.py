@@ -143,10 +143,6 @@ class Router:
         serving = [r for r in recs if r.role in ("", "both", role)] if role else recs
         return sorted(r.address for r in (serving or recs))
 
-    def disaggregated(self) -> bool:
-        """Whether some scheduler prefills only (its requests are handed over after one token)."""
-        return self._discovery is not None and any(r.role == "prefill" for r in self._discovery.members().values())
-
     def count(self) -> int:
         return len(self._addresses())
 
