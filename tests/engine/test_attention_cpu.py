@@ -155,3 +155,30 @@ def test_native_decode_rejects_what_it_cannot_read() -> None:
         native.paged_decode(torch.zeros(1, 2, 4), k, k, torch.tensor([1, 2]), starts, torch.tensor([1, 2]), 1.0)
     with pytest.raises(ValueError, match="starts must be a contiguous int64"):
         native.paged_decode(torch.zeros(1, 2, 4), k, k, torch.tensor([1, 2]), starts.int(), ends, 1.0)
+
+
+def test_native_decode_splits_long_ranges_exactly() -> None:
+    """A request's range is cut into chunks (128 slots in kernels/csrc/paged_decode.c) that threads
+    share and that are merged by log-sum-exp: lengths around the chunk edges equal an fp64 softmax,
+    and a request's result is the same bit for bit alone and in any batch (chunking depends on its
+    length only)."""
+    if native.load() is None:
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(7)
+    k_cache, v_cache = torch.randn(4000, HKV, D, generator=g), torch.randn(4000, HKV, D, generator=g)
+    lengths = [1, 127, 128, 129, 256, 300, 1000]
+    slots = torch.randperm(4000, generator=g)[: sum(lengths)]
+    ends = torch.tensor(lengths).cumsum(0)
+    starts = ends - torch.tensor(lengths)
+    q = torch.randn(len(lengths), HQ, D, generator=g)
+    out, lse = native.paged_decode(q, k_cache, v_cache, slots, starts, ends, 0.3)
+    for b, (s, e) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
+        keys = k_cache[slots[s:e]].double().repeat_interleave(HQ // HKV, dim=1)  # [n, Hq, D]
+        vals = v_cache[slots[s:e]].double().repeat_interleave(HQ // HKV, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[b].double(), keys) * 0.3
+        want = torch.einsum("hn,nhd->hd", scores.softmax(-1), vals)
+        assert float((out[b] - want).abs().max()) < 1e-5, f"length {lengths[b]}"
+        assert float((lse[b] - scores.logsumexp(-1)).abs().max()) < 1e-4, f"length {lengths[b]}"
+        one = slice(b, b + 1)
+        alone, alone_lse = native.paged_decode(q[one], k_cache, v_cache, slots, starts[one], ends[one], 0.3)
+        assert torch.equal(alone[0], out[b]) and torch.equal(alone_lse[0], lse[b])
