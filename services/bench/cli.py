@@ -9,7 +9,8 @@
                                       Strata HTTP vs vLLM's CPU build (its own venv; default python:
                                       $STRATA_VLLM_PYTHON; without one the vLLM part is skipped) on
                                       the bench model and, for the control plane, the null model
-                                      (~25 min on 2 cores); writes <out-dir>/servers_vllm.json
+                                      (~30 min on 2 cores; --vllm-workloads picks some of them);
+                                      writes <out-dir>/servers_vllm.json
 
 The default model is ``models/qwen3-bench``; a missing ``models/<arch>-bench`` is generated first.
 """
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.bench.vllm_serve import VLLM_WORKLOADS
 from services.bench.workloads import AgentSpec, MultiTurnSpec, RandomSpec, SharedPrefixSpec
 
 if TYPE_CHECKING:
@@ -60,6 +62,7 @@ VLLM_QUICK: dict[str, Any] = {
     "shared": SharedPrefixSpec(groups=2, prompts_per_group=4, system_len=256, question_len=16, output_len=16),
     "random": RandomSpec(count=8, input_len=128, output_len=16),
     "agent": AgentSpec(conversations=2, turns=3, context_len=512, turn_len=64, output_len=16),
+    "single": RandomSpec(count=1, input_len=128, output_len=32),
     "control": RandomSpec(count=64, input_len=32, output_len=64),
 }
 PEERS = ("transformers", "vllm", "both")
@@ -126,6 +129,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--null-model", default="models/qwen3-null",
                    help="the vLLM part's control-plane model (`strata model tiny --size null`)")
     p.add_argument("--vllm-args", default="", help="extra flags of vLLM's OpenAI server")
+    p.add_argument("--vllm-workloads", default=",".join(VLLM_WORKLOADS),
+                   help=f"the vLLM part's workloads, comma-separated (default: all of {', '.join(VLLM_WORKLOADS)})")
     return p
 
 
@@ -325,10 +330,16 @@ def _vllm_peer(args: argparse.Namespace) -> VllmPeer | None:
     python = Path(args.vllm_python)
     d = VllmPeer(python)
     specs = _specs(args, VLLM_QUICK if args.quick else {"shared": d.shared, "random": d.random, "agent": d.agent,
-                                                        "control": d.control})
+                                                        "single": d.single, "control": d.control})
+    workloads = tuple(w for w in args.vllm_workloads.split(",") if w)
+    unknown = sorted(set(workloads) - set(VLLM_WORKLOADS))
+    if unknown or not workloads:
+        raise SystemExit(f"strata bench: --vllm-workloads: {', '.join(unknown) or 'none given'}; "
+                         f"choose from {', '.join(VLLM_WORKLOADS)}")  # fmt: skip
     return VllmPeer(
         python=python, null_model=Path(args.null_model), shared=specs["shared"], random=specs["random"],
-        agent=specs["agent"], control=specs["control"], args=tuple(shlex.split(args.vllm_args)),
+        agent=specs["agent"], single=specs["single"], control=specs["control"],
+        args=tuple(shlex.split(args.vllm_args)), workloads=workloads,
     )  # fmt: skip
 
 

@@ -47,7 +47,7 @@ from services.bench.hf_serve import NO_EOS_BODY, PeerError, TransformersServe
 from services.bench.metrics import BenchResults, Comparison, Percentiles, RunMetrics, summarize
 from services.bench.openai_backend import OpenAIBackend
 from services.bench.runner import Backend, GrpcBackend, Say, replay, warm_up
-from services.bench.vllm_serve import CPU_HEAD_SIZES, VllmServe, head_dim, with_head_dim
+from services.bench.vllm_serve import CPU_HEAD_SIZES, VLLM_WORKLOADS, VllmServe, head_dim, with_head_dim
 from services.bench.workloads import (
     AgentSpec,
     RandomSpec,
@@ -81,7 +81,10 @@ class VllmPeer:
     )
     random: RandomSpec = field(default_factory=lambda: RandomSpec(count=64, input_len=256, output_len=32))
     agent: AgentSpec = field(default_factory=AgentSpec)
+    # One stream alone (issue #26's single-stream ITL row): its ITL is the decode step's wall time.
+    single: RandomSpec = field(default_factory=lambda: RandomSpec(count=1, input_len=512, output_len=128))
     control: RandomSpec = field(default_factory=lambda: RandomSpec(count=256, input_len=32, output_len=256))
+    workloads: tuple[str, ...] = VLLM_WORKLOADS  # which of the above run, in this order
     control_concurrency: int = 256
     max_model_len: int = 4096
     kvcache_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE
@@ -232,11 +235,15 @@ class ServersBench:
                     asyncio.run(self.versus_peer(stack, peer))
                 asyncio.run(self.http_vs_grpc(stack))
             if c.vllm is not None:
-                with self.vllm(c.vllm, c.model, c.max_rows, "vllm-bench") as vllm:
-                    specs: list[tuple[str, Spec]] = [
-                        ("shared prefix", c.vllm.shared), ("random", c.vllm.random), ("agent", c.vllm.agent)]
-                    asyncio.run(self.versus_vllm(stack, vllm, specs, c.concurrency))
-        if c.vllm is not None:
+                v = c.vllm
+                named: dict[str, tuple[str, Spec]] = {
+                    "shared": ("shared prefix", v.shared), "random": ("random", v.random), "agent": ("agent", v.agent),
+                    "single": ("one stream", v.single)}  # fmt: skip
+                specs = [named[w] for w in v.workloads if w in named]
+                if specs:
+                    with self.vllm(v, c.model, c.max_rows, "vllm-bench") as vllm:
+                        asyncio.run(self.versus_vllm(stack, vllm, specs, c.concurrency))
+        if c.vllm is not None and "control" in c.vllm.workloads:
             self.control_plane(c.vllm)
         self.results.elapsed_s = time.perf_counter() - t0
         return self.results

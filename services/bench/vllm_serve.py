@@ -35,6 +35,8 @@ from services.common.etcd_proc import free_port
 
 # vllm/v1/attention/backends/cpu_attn.py: CPUAttentionBackend.get_supported_head_sizes()
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# The workloads of the vLLM comparison (``strata bench --peer vllm``), in the order they run.
+VLLM_WORKLOADS = ("shared", "random", "agent", "single", "control")
 ENTRY_POINT = "vllm.entrypoints.openai.api_server"
 
 

@@ -145,3 +145,18 @@ def test_cpu_per_token_splits_own_processes_client_and_idle_peer() -> None:
     per = cpu_per_token(side)
     assert per == {"api server": [1000.0], "worker": [2000.0], "total": [3000.0], "client": [500.0],
                    "idle peer": [250.0]}  # fmt: skip
+
+
+def test_the_vllm_workloads_are_chosen_by_name(tmp_path: Path) -> None:
+    from services.bench.cli import _vllm_peer
+
+    python = tmp_path / "python"
+    python.touch()
+    base = ["--peer", "vllm", "--vllm-python", str(python)]
+    peer = _vllm_peer(_bench_args(base))
+    assert peer is not None and peer.workloads == ("shared", "random", "agent", "single", "control")
+    assert peer.single.count == 1 and peer.single.input_len == peer.single.range_ratio * peer.single.input_len
+    peer = _vllm_peer(_bench_args([*base, "--vllm-workloads", "single,agent"]))
+    assert peer is not None and peer.workloads == ("single", "agent")
+    with pytest.raises(SystemExit, match="--vllm-workloads: sharde; choose from"):
+        _vllm_peer(_bench_args([*base, "--vllm-workloads", "sharde,agent"]))
