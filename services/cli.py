@@ -56,6 +56,8 @@ def _stack_args(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
         worker += ("--speculative-draft-model", args.speculative_draft_model)
         if not args.speculative_algorithm:
             scheduler += ("--speculative-algorithm", "draft")
+    if args.speculative_algorithm == "mtp":
+        worker += ("--speculative-mtp", "true")
     tokenizer = given(("--api-key", args.api_key), ("--api-key-file", args.api_key_file),
                       ("--model-name", args.served_model_name), ("--router-policy", args.router_policy),
                       ("--tool-call-parser", args.tool_call_parser), ("--reasoning-parser", args.reasoning_parser))
@@ -92,6 +94,16 @@ def _up(args: argparse.Namespace) -> int:
     if args.speculative_draft_model and (problem := model_dir_problem(args.speculative_draft_model)):
         print(f"strata up: --speculative-draft-model: {problem}", file=sys.stderr)
         return 2
+    if args.speculative_algorithm == "mtp":
+        from services.worker.models.qwen3_next_mtp import mtp_problem
+
+        if args.speculative_draft_model:
+            print("strata up: --speculative-algorithm mtp drafts with the model's own head; drop "
+                  "--speculative-draft-model", file=sys.stderr)  # fmt: skip
+            return 2
+        if problem := mtp_problem(args.model):
+            print(f"strata up: --speculative-algorithm mtp: {problem}", file=sys.stderr)
+            return 2
     run_dir = Path(args.run_dir or f".runs/{time.strftime('%Y%m%d-%H%M%S')}")
     args.run_dir_path = str(run_dir)
     args.tls_files = None
@@ -243,9 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-prefill-tokens", "--chunked-prefill-size", dest="max_prefill_tokens", type=int,
                     default=None, help="prompt tokens per step: longer prompts are prefilled in chunks")
     up.add_argument("--max-waiting", type=int, default=None, help="queued requests before 429 / RESOURCE_EXHAUSTED")
-    up.add_argument("--speculative-algorithm", default=None, choices=["ngram", "draft"],
+    up.add_argument("--speculative-algorithm", default=None, choices=["ngram", "draft", "mtp"],
                     help="speculative decoding: ngram drafts from each request's own context, draft from "
-                         "--speculative-draft-model (default off)")
+                         "--speculative-draft-model, mtp from the checkpoint's own MTP head (Qwen3-Next; "
+                         "default off)")
     up.add_argument("--speculative-draft-model", default="",
                     help="a smaller checkpoint with the model's tokenizer that drafts tokens (implies draft)")
     up.add_argument("--speculative-num-draft-tokens", type=int, default=None,

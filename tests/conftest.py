@@ -13,11 +13,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _checkpoint(tmp_path_factory: pytest.TempPathFactory, arch: str) -> Path:
     """`make models` writes models/<arch>-tiny; a bare `pytest` run generates its own copy."""
-    from services.worker.tiny import refresh_chat_template, write_tiny_checkpoint
+    from services.worker.tiny import add_mtp_head, refresh_chat_template, write_tiny_checkpoint
 
     made = REPO / "models" / f"{arch}-tiny"
     if (made / "config.json").exists():
         refresh_chat_template(made)  # written before the template changed: only the template is stale
+        if arch == "qwen3-next":
+            add_mtp_head(made)  # written before the MTP head existed: only the head is missing
         return made
 
     return write_tiny_checkpoint(arch, "tiny", tmp_path_factory.mktemp(f"{arch}-tiny"))  # type: ignore[arg-type]

@@ -324,4 +324,4 @@ class WorkerInfo:
     host_states: int = 0  # host state slots for Mamba states (hybrid models); 0 = none
     state_layout: str = ""  # names a host state's bytes (for L3 keys of states); empty without them
     tp_size: int = 1  # tensor-parallel ranks running the model (services.worker.tp)
-    draft_model: str = ""  # the speculative draft model's name ("" = none)
+    draft_model: str = ""  # the speculative draft model's name, "mtp" for the MTP head ("" = none)

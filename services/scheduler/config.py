@@ -77,10 +77,10 @@ class SchedulerConfig:
     hicache_max_inflight: int = field(
         default=MAX_INFLIGHT_JOBS, metadata=_h("hierarchical cache: backups, puts and prefetches in flight at once")
     )
-    speculative_algorithm: Literal["", "ngram", "draft"] = field(default="", metadata=_h(
+    speculative_algorithm: Literal["", "ngram", "draft", "mtp"] = field(default="", metadata=_h(
         "speculative decoding: 'ngram' drafts from the request's own prompt and output (prompt lookup), "
-        "'draft' has the worker's --speculative-draft-model draft; verified by the worker in one forward; "
-        "empty = off"))
+        "'draft' has the worker's --speculative-draft-model draft, 'mtp' the checkpoint's own MTP head "
+        "(worker --speculative-mtp, Qwen3-Next); verified by the worker in one forward; empty = off"))
     speculative_num_draft_tokens: int = field(default=4, metadata=_h("speculative decoding: drafts per step at most"))
     speculative_ngram_min: int = field(default=1, metadata=_h("ngram drafts: shortest suffix looked up"))
     speculative_ngram_max: int = field(default=4, metadata=_h("ngram drafts: longest suffix looked up"))

@@ -112,9 +112,12 @@ class SchedulerLoop:
         if cfg.spec.algorithm:
             if info.tp_size > 1:
                 log.warning("speculative decoding is off: the worker runs tensor parallel (not supported yet)")
-            elif cfg.spec.algorithm == "draft" and not info.draft_model:
+            elif cfg.spec.algorithm == "draft" and info.draft_model in ("", "mtp"):
                 log.error("speculative decoding is off: --speculative-algorithm draft but the worker has no "
                           "--speculative-draft-model")
+            elif cfg.spec.algorithm == "mtp" and info.draft_model != "mtp":
+                log.error("speculative decoding is off: --speculative-algorithm mtp but the worker does not draft "
+                          "with an MTP head (--speculative-mtp)")
             else:
                 batcher.spec = Speculator(cfg.spec, info.context_length)
         if cfg.elastic_budget_bytes:

@@ -8,7 +8,9 @@ output with speculation equals output without it, greedy or sampled.
 
 ``ngram`` (prompt lookup): the drafts are the tokens that followed the latest earlier occurrence
 of the sequence's longest recurring suffix. No model, no memory: it pays where the output
-repeats its context (edits, code, quoting, and the loops small models fall into).
+repeats its context (edits, code, quoting, and the loops small models fall into). ``draft`` and
+``mtp`` draft on the worker (a smaller checkpoint; Qwen3-Next's own multi-token-prediction head):
+the scheduler sends ``num_draft`` placeholders with ``worker_drafts``.
 
 When drafting does not pay it is skipped: above ``max_batch`` decoding requests (the verify pass
 then costs more than the tokens it saves: on 2 CPU cores a verify of 4 drafts costs 1.5x a decode
@@ -29,13 +31,13 @@ from typing import Literal
 
 from services.scheduler.request import Req
 
-ALGORITHMS = ("ngram", "draft")
+ALGORITHMS = ("ngram", "draft", "mtp")
 Drafter = Callable[[Req, int], list[int]]
 
 
 @dataclass(frozen=True, slots=True)
 class SpecConfig:
-    algorithm: Literal["", "ngram", "draft"] = ""  # "" = off
+    algorithm: Literal["", "ngram", "draft", "mtp"] = ""  # "" = off
     num_draft_tokens: int = 4  # K: drafts per verify step at most
     ngram_min: int = 1  # shortest suffix looked up
     ngram_max: int = 4  # longest suffix looked up (the longest that recurs wins)
@@ -96,8 +98,9 @@ class Speculator:
         self.cfg = cfg
         self.context_length = context_length
         self.counters = SpecCounters()
-        # ``draft``: the worker's draft model writes the drafts; the scheduler sends placeholders.
-        self.worker_drafts = cfg.algorithm == "draft" and drafter is None
+        # ``draft`` / ``mtp``: the worker's draft model or MTP head writes the drafts; the
+        # scheduler sends placeholders.
+        self.worker_drafts = cfg.algorithm in ("draft", "mtp") and drafter is None
         if drafter is None:
             drafter = (lambda req, k: [0] * k) if self.worker_drafts else (
                 lambda req, k: ngram_draft(req.seq, k, cfg.ngram_min, cfg.ngram_max))

@@ -53,6 +53,10 @@ class WorkerConfig:
     speculative_draft_model: str = field(default="", metadata=_h(
         "speculative decoding: a smaller checkpoint with the same tokenizer that drafts tokens (the "
         "scheduler's --speculative-algorithm draft); its KV takes a pool of its own with the target's slots"))
+    speculative_mtp: bool = field(default=False, metadata=_h(
+        "speculative decoding: draft with the checkpoint's own multi-token-prediction head (Qwen3-Next's mtp.* "
+        "weights; the scheduler's --speculative-algorithm mtp); its one attention layer takes a KV pool of its "
+        "own with the target's slots"))
     l3: bool = field(default=False, metadata=_h(
         "hierarchical cache: put and get pages on the kvstore shards found through etcd"))
     metrics_port: int = field(default=-1, metadata=_h("Prometheus port; -1 = off, 0 = pick"))
@@ -103,6 +107,15 @@ class WorkerConfig:
                 raise ConfigError(f"speculative_draft_model: {problem}")
             if self.tp > 1:
                 raise ConfigError("speculative_draft_model: not supported with tensor parallelism (tp > 1)")
+        if self.speculative_mtp:
+            from services.worker.models.qwen3_next_mtp import mtp_problem
+
+            if self.speculative_draft_model:
+                raise ConfigError("speculative_mtp: drafts with the model's own head; drop speculative_draft_model")
+            if self.tp > 1:
+                raise ConfigError("speculative_mtp: not supported with tensor parallelism (tp > 1)")
+            if problem := mtp_problem(self.model):
+                raise ConfigError(f"speculative_mtp: {problem}")
         if not 0 <= self.tp_rank < self.tp or (self.tp_rank and not self.tp_init):
             raise ConfigError(f"tp_rank: must be in [0, tp={self.tp}), and a follower needs tp_init")
         if self.tp_timeout_s <= 0:

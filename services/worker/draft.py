@@ -17,8 +17,9 @@ only) after the verify, so the draft pool covers every kept position.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 
@@ -31,8 +32,54 @@ from services.worker.models.registry import CausalLM
 from services.worker.pools import KVPool, ReqToTokenTable
 
 
+class Drafter(Protocol):
+    """What the engine asks of a worker-side drafter (a draft model, Qwen3-Next's MTP head).
+
+    Per step, ``propose`` runs after the step's slots are in ``req_to_token`` and before the
+    target's forward: it writes the drafts of the requests with ``worker_drafts`` into their
+    ``input_ids`` (after the first id). ``finish`` runs after sampling and any state rollback,
+    with ``kept[row]`` the tokens each verifying row kept and ``hidden`` the target's hidden
+    states of the step's tokens (flat, in ``inp`` order) when ``wants_hidden``. ``release`` forgets
+    a row (``ReleaseRow``); ``resize`` follows the target KV pool's capacity (``PoolResize``).
+    """
+
+    wants_hidden: bool
+
+    def resize(self, num_slots: int) -> None: ...
+
+    def propose(self, reqs: list[ReqInput], inp: BatchInput) -> None: ...
+
+    def finish(self, reqs: list[ReqInput], inp: BatchInput, kept: Counter[int], hidden: torch.Tensor | None) -> None:
+        ...
+
+    def release(self, row: int) -> None: ...
+
+
+class DraftPool:
+    """A drafter's own KV pool at the target pool's slot indices (slot ``s`` holds the drafter's
+    KV of the token whose target KV is in slot ``s``), with an attention backend over it and the
+    target's ``req_to_token``. It follows the target pool's capacity, so the scheduler's slot
+    accounting covers it unchanged."""
+
+    def __init__(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+        target_kv: KVPool, req_to_token: ReqToTokenTable, attention: AttentionPath,
+    ) -> None:
+        self.kv = KVPool(
+            num_layers, target_kv.num_slots, num_kv_heads, head_dim, dtype, device,
+            max_slots=target_kv.max_slots, backing=target_kv.backing,
+        )  # fmt: skip
+        self.attn = attention_backend(attention, self.kv, req_to_token)
+        self.ctx = ForwardContext(self.attn, None)
+
+    def resize(self, num_slots: int) -> None:
+        self.kv.resize(num_slots)
+
+
 class DraftModel:
     """The draft checkpoint, its KV pool (the target pool's slots) and its attention backend."""
+
+    wants_hidden = False
 
     def __init__(
         self, model_dir: Path, dtype: torch.dtype, device: torch.device, vocab_size: int, target_kv: KVPool,
@@ -50,16 +97,15 @@ class DraftModel:
         self.name = model_dir.resolve().name
         self.model = model
         self.device = device
-        self.kv = KVPool(
-            model.num_kv_layers, target_kv.num_slots, model.num_kv_heads, model.head_dim, dtype, device,
-            max_slots=target_kv.max_slots, backing=target_kv.backing,
-        )  # fmt: skip
-        self.attn = attention_backend(attention, self.kv, req_to_token)
-        self.ctx = ForwardContext(self.attn, None)
+        self.pool = DraftPool(model.num_kv_layers, model.num_kv_heads, model.head_dim, dtype, device, target_kv,
+                              req_to_token, attention)  # fmt: skip
 
     def resize(self, num_slots: int) -> None:
         """Follow the target pool's capacity (``PoolResize``)."""
-        self.kv.resize(num_slots)
+        self.pool.resize(num_slots)
+
+    def release(self, row: int) -> None:
+        """Nothing per row: the draft KV lives in the slots the scheduler owns."""
 
     def propose(self, reqs: list[ReqInput], inp: BatchInput) -> None:
         """Mirror the step's inputs ``inp`` through the draft model and write the drafts of the
@@ -86,7 +132,7 @@ class DraftModel:
                 break
             tokens = self._forward(self._single(reqs, live, j, want=1))
 
-    def finish(self, reqs: list[ReqInput], kept: dict[int, int]) -> None:
+    def finish(self, reqs: list[ReqInput], inp: BatchInput, kept: Counter[int], hidden: torch.Tensor | None) -> None:
         """After the verify: the requests whose drafts were all kept (``kept[row]`` tokens) get
         their last draft's KV written."""
         full = [i for i, r in enumerate(reqs) if r.worker_drafts and kept.get(r.row, 0) == r.num_draft + 1]
@@ -106,6 +152,6 @@ class DraftModel:
 
     def _forward(self, inp: BatchInput) -> list[int]:
         """Run the draft model on ``inp``; the greedy token after each request with logits."""
-        batch = ForwardBatch.build(inp, self.device, self.attn)
-        logits = self.model.forward(batch, self.ctx)
+        batch = ForwardBatch.build(inp, self.device, self.pool.attn)
+        logits = self.model.forward(batch, self.pool.ctx)
         return cast(list[int], logits.argmax(dim=-1).tolist()) if logits.shape[0] else []

@@ -33,7 +33,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -62,7 +62,7 @@ from services.common.step import (
 )
 from services.worker.attention import attention_backend
 from services.worker.batch import BatchInput, ForwardBatch, ForwardContext, int64_tensor
-from services.worker.draft import DraftModel
+from services.worker.draft import Drafter, DraftModel
 from services.worker.engine_config import DTYPES, EngineConfig
 from services.worker.host_cache import HostPool
 from services.worker.host_malloc import keep_large_blocks_on_heap
@@ -169,16 +169,20 @@ class Engine:
             host_states=host_states.num_states if host_states else 0,
             state_layout=f"{host_states.layout}/tp0of{tp.size}" if host_states else "",
             tp_size=tp.size,
-            draft_model=Path(cfg.draft_model).resolve().name if cfg.draft_model else "",
+            draft_model="mtp" if cfg.mtp else Path(cfg.draft_model).resolve().name if cfg.draft_model else "",
         )
         self.attn = attention_backend(cfg.attention, self.kv, self.req_to_token)  # chosen once, here
         self._ctx = ForwardContext(self.attn, self.mamba)
-        self.draft: DraftModel | None = None
+        self.draft: Drafter | None = None
+        if (cfg.draft_model or cfg.mtp) and tp.size > 1:
+            raise ValueError("speculative decoding: not supported with tensor parallelism")
         if cfg.draft_model:
-            if tp.size > 1:
-                raise ValueError("speculative_draft_model: not supported with tensor parallelism")
             self.draft = DraftModel(Path(cfg.draft_model), dtype, device, model.vocab_size, self.kv,
                                     self.req_to_token, cfg.attention)  # fmt: skip
+        elif cfg.mtp:
+            from services.worker.mtp import MtpDrafter  # only Qwen3-Next checkpoints have the head
+
+            self.draft = MtpDrafter(model_dir, loaded.model, dtype, device, self.kv, self.req_to_token, cfg.attention)
         self._last_sample: dict[int, int] = {}
         self._row_len: dict[int, int] = {}
         self._history: dict[int, list[int]] = {}
@@ -217,7 +221,10 @@ class Engine:
             inp = self._batch_input(req.reqs)
             if self.draft is not None:
                 self.draft.propose(req.reqs, inp)
-            return self._run(inp, all_logits=True).float()
+            logits, hidden = self._run_target(inp, all_logits=True)
+            if self.draft is not None:
+                self.draft.finish(req.reqs, inp, Counter(), hidden)
+            return logits.float()
 
     # -- stages ----------------------------------------------------------------------------------
 
@@ -250,7 +257,7 @@ class Engine:
         inp = self._batch_input(req.reqs)
         if self.draft is not None:  # its KV follows the target's; the drafts it owes are written
             self.draft.propose(req.reqs, inp)
-        logits = self._run(inp, all_logits=False)
+        logits, hidden = self._run_target(inp, all_logits=False)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # so forward_s measures the forward, not the launch
         t1 = time.perf_counter()
@@ -279,12 +286,11 @@ class Engine:
             if self.tp.size > 1:
                 self.tp.share_ints([o.token_id for o in result.outputs], n)
         t3 = time.perf_counter()
-        if drafting:
-            kept = Counter(o.row for o in result.outputs)  # tokens each row kept
-            if saved is not None:
-                self._roll_back_states(drafting, saved, kept)
-            if self.draft is not None:
-                self.draft.finish(req.reqs, kept)
+        kept = Counter(o.row for o in result.outputs) if drafting else Counter[int]()  # tokens each row kept
+        if saved is not None:
+            self._roll_back_states(drafting, saved, kept)
+        if self.draft is not None:  # the drafter catches up with the kept tokens
+            self.draft.finish(req.reqs, inp, kept, hidden)
         result.forward_s, result.sample_s = t1 - t0 + time.perf_counter() - t3, t3 - t2
         if self.host is not None:  # L3 transfers ran alongside the forward
             result.jobs = self._finish_host()
@@ -356,6 +362,8 @@ class Engine:
                 self._last_sample.pop(op.row, None)
                 self._row_len.pop(op.row, None)
                 self._history.pop(op.row, None)
+                if self.draft is not None:
+                    self.draft.release(op.row)
             elif isinstance(op, HostBackup | HostLoad | StateBackup | StateLoad | L3Put | L3Get):
                 assert self.host is not None  # validated
                 self.host.run(op, self.kv, self.mamba)
@@ -391,6 +399,15 @@ class Engine:
     def _run(self, inp: BatchInput, all_logits: bool) -> torch.Tensor:
         batch = ForwardBatch.build(inp, self.device, self.attn, all_logits=all_logits)
         return self.model.forward(batch, self._ctx)
+
+    def _run_target(self, inp: BatchInput, all_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's forward: logits, and the hidden state of every token when the drafter
+        reads them (MTP)."""
+        if self.draft is None or not self.draft.wants_hidden:
+            return self._run(inp, all_logits), None
+        batch = ForwardBatch.build(inp, self.device, self.attn, all_logits=all_logits)
+        logits, hidden = cast(_HiddenLM, self.model).forward_hidden(batch, self._ctx)
+        return logits, hidden
 
     def _sample(
         self, reqs: list[ReqInput], masks: list[torch.Tensor | None], logits: torch.Tensor
@@ -491,6 +508,12 @@ class Engine:
             self._last_sample[r.row] = token
             if r.row in self._history:
                 self._history[r.row].append(token)
+
+
+class _HiddenLM(Protocol):
+    """A model that also returns its hidden states after the final norm (Qwen3-Next, for MTP)."""
+
+    def forward_hidden(self, batch: ForwardBatch, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def _host_tier(

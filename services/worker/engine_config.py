@@ -59,6 +59,7 @@ class EngineConfig:
     attention: AttentionPath = "cascade"
     threads: int = 0  # torch intra-op threads; 0 = torch's default (one per core)
     draft_model: str = ""  # speculative decoding: a draft checkpoint with the target's tokenizer
+    mtp: bool = False  # speculative decoding: draft with the checkpoint's own MTP head (Qwen3-Next)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -88,6 +89,8 @@ class EngineConfig:
             )
         if self.threads < 0:
             raise ValueError(f"EngineConfig.threads must be >= 0 (0 = torch's default), got {self.threads}")
+        if self.mtp and self.draft_model:
+            raise ValueError("EngineConfig: draft with draft_model or with mtp, not both")
         if self.mamba_slots < 0:
             raise ValueError(f"EngineConfig.mamba_slots must be >= 0, got {self.mamba_slots}")
         if self.kv_max_bytes and self.kv_max_bytes < self.kv_cache_bytes:

@@ -4,7 +4,9 @@ A directory holds ``config.json``, weights as ``model.safetensors`` or shards li
 ``model.safetensors.index.json``, optional ``generation_config.json`` and tokenizer files. The
 model class comes from ``config.json``'s ``architectures[0]`` through the registry; tensors are
 matched to the model's ``state_dict`` by name, strictly: a missing, mis-shaped or unexpected tensor
-is a ``LoadError`` naming it. Nothing is silently left at random init.
+is a ``LoadError`` naming it. Nothing is silently left at random init. A model class may name
+``optional_checkpoint_prefixes`` (Qwen3-Next: ``mtp.``): tensors under them belong to an optional
+head that its own loader reads when asked for (``models/qwen3_next_mtp.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,9 +100,11 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def read_tensors(
-    model_dir: Path, dtype: torch.dtype, shards: dict[str, Shard] | None = None
+    model_dir: Path, dtype: torch.dtype, shards: dict[str, Shard] | None = None,
+    keep: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Every tensor of every weight file, floating ones converted to ``dtype`` (on the CPU).
+    """Every tensor of every weight file (those whose name ``keep`` accepts), floating ones
+    converted to ``dtype`` (on the CPU).
 
     ``shards``: tensors of which only a slice is wanted (tensor parallelism); only that slice is
     read from the file."""
@@ -108,6 +113,8 @@ def read_tensors(
     for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if keep is not None and not keep(name):
+                    continue
                 if name in tensors:
                     raise LoadError(f"tensor {name!r} appears in more than one weight file ({path.name})")
                 shard = shards.get(name)
@@ -143,7 +150,9 @@ def load_model(
     except ValueError as e:
         raise LoadError(f"{model_dir}: {e}") from e
     shards = {n: p.tp_shard for n, p in model.state_dict(keep_vars=True).items() if hasattr(p, "tp_shard")}
-    tensors = read_tensors(model_dir, dtype, shards)
+    # Optional heads (Qwen3-Next's ``mtp.*``) are loaded by their own loader when asked for.
+    optional: tuple[str, ...] = getattr(model, "optional_checkpoint_prefixes", ())
+    tensors = read_tensors(model_dir, dtype, shards, keep=lambda n: not n.startswith(optional))
     convert = getattr(model, "convert_checkpoint", None)
     if convert is not None:
         tensors = convert(tensors)
@@ -151,6 +160,12 @@ def load_model(
     model.eval()
     arch = hf_config["architectures"][0]
     return LoadedModel(model, hf_config, arch, eos_token_ids(model_dir, hf_config))
+
+
+def fill_module(module: nn.Module, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Fill ``module`` (built on ``meta``) from ``tensors`` by its ``state_dict`` names, strictly:
+    ``LoadError`` for a missing, mis-shaped or unexpected tensor."""
+    _fill(module, tensors, device)
 
 
 def _fill(model: nn.Module, tensors: dict[str, torch.Tensor], device: torch.device) -> None:

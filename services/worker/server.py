@@ -180,6 +180,7 @@ def engine_config(cfg: WorkerConfig) -> EngineConfig:
         attention=cfg.attention,
         threads=cfg.threads,
         draft_model=cfg.speculative_draft_model,
+        mtp=cfg.speculative_mtp,
     )
 
 

@@ -375,8 +375,57 @@ def write_tiny_checkpoint(
     n_params = sum(p.numel() for p in model.parameters())
     report(f"saving {n_params / 1e6:.1f}M parameters to {out}")
     model.save_pretrained(out, safe_serialization=True)
+    if arch == "qwen3-next":
+        add_mtp_head(out, seed)
     report(f"done in {time.monotonic() - t0:.1f}s")
     return out
+
+
+MTP_FILE = "mtp.safetensors"
+
+
+def add_mtp_head(model_dir: Path, seed: int = 0) -> bool:
+    """Give a Qwen3-Next checkpoint random MTP weights in the released checkpoints' layout
+    (``mtp.*``: see ``services/worker/models/qwen3_next_mtp.py``) and ``num_nextn_predict_layers: 1``.
+
+    The tensors go to a file of their own, ``mtp.safetensors``, beside ``model.safetensors``:
+    transformers reads ``model.safetensors`` alone (it ignores ``mtp.*`` anyway) and Strata's
+    loader reads every ``*.safetensors``; a checkpoint written before the head existed is
+    completed without touching its other bytes. Deterministic in ``seed``; the head's final norm
+    gets the target's gain so that its logits are as peaked. Files are replaced atomically.
+    Returns whether anything was written (False: the head is there already).
+    """
+    from safetensors.torch import save_file
+
+    from services.worker.models.qwen3_next import Qwen3NextForCausalLM
+    from services.worker.models.qwen3_next_mtp import PREFIX, Qwen3NextMtp
+
+    model_dir = Path(model_dir)
+    cfg_path = model_dir / "config.json"
+    config = json.loads(cfg_path.read_text())
+    if (model_dir / MTP_FILE).is_file() and config.get("num_nextn_predict_layers") == 1:
+        return False
+    with torch.device("meta"):
+        head = Qwen3NextMtp(config, Qwen3NextForCausalLM(config))
+    gen = torch.Generator().manual_seed(seed + 1)
+    std = float(config.get("initializer_range", _init_std(int(config["hidden_size"]))))
+    tensors: dict[str, torch.Tensor] = {}
+    for name, p in head.state_dict().items():
+        if name == "norm.weight":
+            t = torch.full(p.shape, _LOGIT_SCALE_HYBRID - 1.0)  # zero-centred: 1 + w
+        elif name.endswith("norm.weight"):
+            t = torch.zeros(p.shape)
+        else:
+            t = torch.randn(p.shape, generator=gen) * std
+        tensors[PREFIX + name] = t.contiguous()
+    tmp = model_dir / f".{MTP_FILE}.{os.getpid()}.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, model_dir / MTP_FILE)
+    config["num_nextn_predict_layers"] = 1
+    tmp = model_dir / f".config.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, cfg_path)
+    return True
 
 
 def refresh_chat_template(model_dir: Path) -> bool:

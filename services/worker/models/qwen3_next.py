@@ -189,6 +189,9 @@ class Qwen3NextForCausalLM(nn.Module):
     copy of a cached state for a prefix hit), and returns logits ``[len(logit_index), vocab]``.
     """
 
+    # The multi-token-prediction head (``qwen3_next_mtp.py``) is loaded only for MTP drafting.
+    optional_checkpoint_prefixes = ("mtp.",)
+
     def __init__(self, hf_config: dict[str, Any], tp: Tp = SINGLE) -> None:
         super().__init__()
         a = Qwen3NextArgs.from_hf(hf_config)
@@ -222,6 +225,17 @@ class Qwen3NextForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
+        return self.lm_head(self.model.norm(self._layers(batch, ctx)[batch.logit_index]))
+
+    @torch.inference_mode()
+    def forward_hidden(self, batch: ForwardBatch, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``'s logits and the hidden state of every new token after the final norm
+        ``[T, H]`` (what the MTP head reads). The logits rows are normed on their own, exactly as
+        ``forward`` does, so that they are bit for bit ``forward``'s."""
+        x = self._layers(batch, ctx)
+        return self.lm_head(self.model.norm(x[batch.logit_index])), self.model.norm(x)
+
+    def _layers(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         spans = None
         if self.model.num_linear_layers:
             if ctx.mamba is None or batch.mamba_slots is None:
@@ -233,4 +247,4 @@ class Qwen3NextForCausalLM(nn.Module):
         x = self.model.embed_tokens(batch.input_ids)
         for layer in self.model.layers:
             x = layer(x, self.rotary, spans, batch, ctx)
-        return self.lm_head(self.model.norm(x[batch.logit_index]))
+        return x

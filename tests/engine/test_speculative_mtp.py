@@ -1,0 +1,164 @@
+"""Speculative decoding with Qwen3-Next's MTP head (``--speculative-algorithm mtp``): the head
+drafts from the target's hidden states, the target verifies; output equals transformers on every
+path (chunked prefill, prefix hits, overlap, state rollback), the head's KV (its own pool at the
+target's slots) is what a from-scratch pass over the same tokens writes, and the pools balance."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.common.config import ConfigError
+from services.common.step import ReqInput, StepRequest
+from services.scheduler.loop import LoopConfig, SchedulerLoop
+from services.scheduler.speculative import SpecConfig
+from services.worker.config import WorkerConfig
+from services.worker.mtp import MtpDrafter
+from services.worker.tiny import MTP_FILE
+from tests import sched_harness as h
+from tests.reference import hf_greedy
+
+MTP = SpecConfig("mtp", num_draft_tokens=3, max_batch=64, min_accepted=0)  # never backs off
+
+
+def _engine(model: Path, kv_bytes: int = 1 << 22) -> h.Engine:
+    return h.Engine(model, h.EngineConfig(device=h.TEST_DEVICE, kv_cache_bytes=kv_bytes, max_rows=8, mtp=True))
+
+
+def _prompts(vocab: int, seed: int, n: int = 4) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(12, 40))] for _ in range(n)]
+
+
+def _books(loop: SchedulerLoop) -> None:
+    assert loop.batcher is not None and loop.batcher.idle
+    loop.batcher.mem.check_idle()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_mtp_output_equals_transformers(tiny_qwen3_next: Path, overlap: bool) -> None:
+    """Random MTP weights: most drafts are rejected, so the hybrid target's states roll back at
+    nearly every verify; chunked prefill (16-token chunks), a second wave on cached prefixes."""
+    eng = _engine(tiny_qwen3_next)
+    assert eng.info.draft_model == "mtp"
+    prompts = _prompts(eng.info.vocab_size, seed=3)
+    want = [hf_greedy(tiny_qwen3_next, p, 12, stop_at_eos=False) for p in prompts]
+    cfg = LoopConfig(max_prefill_tokens=16, overlap=overlap, spec=MTP)
+    outs, loop = h.run(eng, [h.Spec(p, 12) for p in prompts], cfg, waves=2)
+    assert [o.ids for o in outs] == want + want
+    assert sum(o.cached_tokens for o in outs[len(prompts) :]) > 0
+    assert loop.batcher is not None and loop.batcher.spec is not None
+    c = loop.batcher.spec.counters
+    assert c.verify_steps > 0 and c.draft_tokens > c.accepted_tokens, c
+    _books(loop)
+
+
+def test_kept_drafts_with_an_oracle_head(tiny_qwen3_next: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The accept path by construction: the head's greedy tokens are replaced (after its forward,
+    which still writes its KV) by the target's own continuation, wrong at every third position,
+    so verifies keep all drafts, some or none: full accepts, partial ones with state rollback."""
+    eng = _engine(tiny_qwen3_next)
+    prompt = _prompts(eng.info.vocab_size, seed=4, n=1)[0]
+    new = 20
+    want = hf_greedy(tiny_qwen3_next, prompt, new, stop_at_eos=False)
+    seq = prompt + want
+    real = MtpDrafter._forward
+
+    def oracle(self: MtpDrafter, e, want: int):  # type: ignore[no-untyped-def]
+        tokens, g = real(self, e, want)
+        if want:  # the entry at p predicts the token at p + 2
+            at = [s + len(ids) + 1 for s, ids in zip(e.start, e.ids, strict=True)]
+            tokens = [seq[p] if p < len(seq) and p % 3 else 1 for p in at]
+        return tokens, g
+
+    monkeypatch.setattr(MtpDrafter, "_forward", oracle)
+    cfg = LoopConfig(max_prefill_tokens=8, spec=MTP)
+    outs, loop = h.run(eng, [h.Spec(prompt, new)], cfg, waves=2)
+    assert [o.ids for o in outs] == [want, want]
+    assert loop.batcher is not None and loop.batcher.spec is not None
+    c = loop.batcher.spec.counters
+    assert 0 < c.accepted_tokens < c.draft_tokens, c
+    assert c.accepted_tokens >= 0.3 * c.draft_tokens, c
+    _books(loop)
+
+
+def _mtp_keys(eng: h.Engine, row: int, upto: int) -> torch.Tensor:
+    """The head's K of ``row``'s positions ``[0, upto)``."""
+    assert isinstance(eng.draft, MtpDrafter)
+    slots = eng.req_to_token.table[row, :upto]
+    return eng.draft.pool.kv.layer(0)[0][slots].float()
+
+
+def test_head_kv_follows_every_kept_position(tiny_qwen3_next: Path) -> None:
+    """Prefill in chunks, a verify of given drafts that keeps two of three, a verify of the
+    head's own drafts, plain decodes: the head's KV of every kept position but the last equals
+    that of one prefill over the same tokens (where every entry is written from the target's
+    hidden states in one go)."""
+    prompt = _prompts(700, seed=5, n=1)[0][:20]
+    greedy = hf_greedy(tiny_qwen3_next, prompt, 4, stop_at_eos=False)
+    a = _engine(tiny_qwen3_next)
+    slots = iter(range(1000))
+
+    def take(n: int) -> list[int]:
+        return [next(slots) for _ in range(n)]
+
+    def step(i: int, req: ReqInput) -> list[int]:
+        return [o.token_id for o in a.step(StepRequest(i, reqs=[req])).outputs]
+
+    step(1, ReqInput("r", 0, prompt[:7], 0, take(7), mamba_slot=0, sample=False))
+    step(2, ReqInput("r", 0, prompt[7:14], 7, take(7), mamba_slot=0, sample=False))
+    assert step(3, ReqInput("r", 0, prompt[14:], 14, take(6), mamba_slot=0)) == greedy[:1]
+    wrong = (greedy[3] + 1) % 700
+    out = step(4, ReqInput("r", 0, [*greedy[:3], wrong], 20, take(4), mamba_slot=0, num_draft=3))
+    assert out == greedy[1:4]  # two drafts kept, the third rejected
+    tokens = prompt + greedy[:3]
+    mine = ReqInput("r", 0, [greedy[3], 0, 0, 0], len(tokens), take(4), mamba_slot=0, num_draft=3, worker_drafts=True)
+    out = step(5, mine)
+    tokens += mine.input_ids[: len(out)]  # the input and the accepted drafts
+    t = out[-1]
+    for i in (6, 7):
+        (t2,) = step(i, ReqInput("r", 0, [t], len(tokens), take(1), mamba_slot=0))
+        tokens.append(t)
+        t = t2
+    b = _engine(tiny_qwen3_next)
+    b.step(StepRequest(1, reqs=[ReqInput("r", 0, tokens, 0, list(range(len(tokens))), mamba_slot=0, sample=False)]))
+    n = len(tokens) - 1  # both have written the entries of positions 0 .. n-1; the last is pending
+    got, ref = _mtp_keys(a, 0, n), _mtp_keys(b, 0, n)
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (got - ref).abs().max()
+
+
+def test_mtp_needs_a_qwen3_next_checkpoint_with_the_head(
+    tiny_qwen3: Path, tiny_qwen3_next: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(ConfigError, match=r"speculative_mtp: .*needs a Qwen3-Next checkpoint"):
+        WorkerConfig(model=str(tiny_qwen3), speculative_mtp=True).validate()
+    headless = tmp_path / "headless"
+    shutil.copytree(tiny_qwen3_next, headless)
+    (headless / MTP_FILE).unlink()
+    with pytest.raises(ConfigError, match=r"speculative_mtp: .*has no MTP head"):
+        WorkerConfig(model=str(headless), speculative_mtp=True).validate()
+    WorkerConfig(model=str(tiny_qwen3_next), speculative_mtp=True).validate()
+    # Without MTP the head's tensors are simply not loaded: the headless copy serves alike.
+    assert h.Engine(headless, h.EngineConfig(kv_cache_bytes=1 << 20, max_rows=2)).info.draft_model == ""
+
+
+def test_strata_up_refuses_mtp_without_the_head(tiny_qwen3: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from services.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["up", "--model", str(tiny_qwen3), "--speculative-algorithm", "mtp"])
+    assert exit_.value.code == 2
+    assert "--speculative-algorithm mtp: " in capsys.readouterr().err
+
+
+def test_a_worker_without_the_head_decodes_plainly(tiny_qwen3_next: Path) -> None:
+    """The scheduler asks for MTP, the worker has no head: speculation is off, output unchanged."""
+    eng = h.Engine(tiny_qwen3_next, h.EngineConfig(device=h.TEST_DEVICE, kv_cache_bytes=1 << 20, max_rows=2))
+    prompt = _prompts(eng.info.vocab_size, seed=6, n=1)[0]
+    outs, loop = h.run(eng, [h.Spec(prompt, 6)], LoopConfig(spec=MTP))
+    assert loop.batcher is not None and loop.batcher.spec is None
+    assert outs[0].ids == hf_greedy(tiny_qwen3_next, prompt, 6, stop_at_eos=False)
