@@ -146,9 +146,16 @@ def test_mtp_needs_a_qwen3_next_checkpoint_with_the_head(
     assert h.Engine(headless, h.EngineConfig(kv_cache_bytes=1 << 20, max_rows=2)).info.draft_model == ""
 
 
-def test_strata_up_refuses_mtp_without_the_head(tiny_qwen3: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from services.cli import main
+def test_strata_up_mtp(tiny_qwen3: Path, tiny_qwen3_next: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``strata up --speculative-algorithm mtp``: the worker gets --speculative-mtp; a checkpoint
+    without the head is refused before anything starts."""
+    from services.cli import _stack_args, build_parser, main
 
+    args = build_parser().parse_args(["up", "--model", str(tiny_qwen3_next), "--speculative-algorithm", "mtp"])
+    args.tls_files, args.run_dir_path = None, "."
+    a = _stack_args(args)
+    sched = a["scheduler"]
+    assert "--speculative-mtp" in a["worker"] and sched[sched.index("--speculative-algorithm") + 1] == "mtp"
     with pytest.raises(SystemExit) as exit_:
         main(["up", "--model", str(tiny_qwen3), "--speculative-algorithm", "mtp"])
     assert exit_.value.code == 2
