@@ -52,10 +52,10 @@ def _hybrid(model: Path) -> bool:
     return "next" in model.name
 
 
-def _engine(model: Path, port: KVStorePort | None = None) -> Engine:
+def _engine(model: Path, port: KVStorePort | None = None, mtp: bool = False) -> Engine:
     if _hybrid(model):
         cfg = EngineConfig(kv_cache_bytes=1 << 20, max_rows=4, mamba_slots=12, host_cache_bytes=1 << 21,
-                           host_page_tokens=PAGE)
+                           host_page_tokens=PAGE, mtp=mtp)
     else:
         cfg = EngineConfig(kv_cache_bytes=1 << 21, max_rows=8, host_cache_bytes=1 << 22, host_page_tokens=PAGE)
     return Engine(model, cfg, port)
@@ -277,6 +277,22 @@ def test_speculation_with_every_tier(model: Path, tier: str) -> None:
     res, loop = h.serve(eng, LoopConfig(), body)
     _check(model, res)
     assert spec.counters.verify_steps > 0 and spec.counters.draft_tokens > spec.counters.accepted_tokens
+    assert _tier(loop).counters.load_tokens == sum(o.cached_tokens for _, o in res) > 0
+
+
+@pytest.mark.parametrize("tier", ["host", "l3"])
+def test_mtp_with_every_tier(tiny_qwen3_next: Path, tier: str) -> None:
+    """Qwen3-Next's MTP head drafting at every decode: prefixes and states come back exactly from
+    the host and from L3 (the head's KV of reloaded pages is stale, which costs acceptance only)."""
+    shards = _Shards()
+    port = KVStorePort(shards) if tier == "l3" else None
+    eng = _engine(tiny_qwen3_next, port, mtp=True)
+    conv = _conversation(eng, flush_device if tier == "host" else flush_host, (port, shards) if port else None)
+    spec = SpecConfig("mtp", num_draft_tokens=3, max_batch=64, min_accepted=0)
+    res, loop = h.serve(eng, LoopConfig(spec=spec), conv)
+    _check(tiny_qwen3_next, res)
+    assert loop.batcher is not None and loop.batcher.spec is not None
+    assert loop.batcher.spec.counters.verify_steps > 0
     assert _tier(loop).counters.load_tokens == sum(o.cached_tokens for _, o in res) > 0
 
 
