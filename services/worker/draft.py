@@ -1,5 +1,8 @@
 """Speculative decoding with a draft model: a smaller checkpoint with the target's tokenizer.
 
+``Drafter`` is what the engine asks of any worker-side drafter (this draft model, Qwen3-Next's
+MTP head in ``mtp.py``), and ``DraftPool`` the KV pool at the target's slot indices they share.
+
 The draft model's KV lives in its own pool at the target's slot indices: slot ``s`` of the draft
 pool holds the draft's KV of the token whose target KV is in slot ``s``. So the target's
 ``req_to_token`` rows, the radix tree's prefix reuse and the scheduler's slot accounting serve the

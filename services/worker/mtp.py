@@ -131,7 +131,8 @@ class MtpDrafter:
         cu = 0
         for b, r in enumerate(reqs):
             s, ids, n = inp.start_pos[b], inp.input_ids[b], len(inp.input_ids[b])
-            valid = kept[r.row] if r.num_draft else n  # a verify keeps its input and accepted drafts
+            # A verify keeps its input and accepted drafts; without sampling (forward_logits) all.
+            valid = kept.get(r.row, n) if r.num_draft else n
             pend = self._pending.pop(r.row, None)
             lead = pend is not None and pend.pos == s - 1  # entry s-1 not yet written
             count = valid - 1 + lead
