@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -169,3 +170,55 @@ def test_a_worker_without_the_head_decodes_plainly(tiny_qwen3_next: Path) -> Non
     outs, loop = h.run(eng, [h.Spec(prompt, 6)], LoopConfig(spec=MTP))
     assert loop.batcher is not None and loop.batcher.spec is None
     assert outs[0].ids == hf_greedy(tiny_qwen3_next, prompt, 6, stop_at_eos=False)
+
+
+def test_head_logits_equal_transformers_layers(tiny_qwen3_next: Path) -> None:
+    """The head against the same math assembled from transformers' own Qwen3-Next modules (a
+    full-attention decoder layer, its RMSNorm, rotary and LM head; transformers has no MTP head):
+    fc over concat(normed embedding of the token at p + 1, normed final hidden state at p)."""
+    from safetensors.torch import load_file
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer, Qwen3NextRMSNorm
+
+    from services.worker.batch import BatchInput, ForwardBatch
+    from tests.reference import hf_model
+
+    hf: Any = hf_model(str(tiny_qwen3_next))
+    cfg = hf.config
+    mtp = load_file(str(tiny_qwen3_next / MTP_FILE))
+    n_hidden = cfg.hidden_size
+    layer = Qwen3NextDecoderLayer(cfg, cfg.layer_types.index("full_attention")).eval()
+    state = {k.removeprefix("mtp.layers.0."): v for k, v in mtp.items() if k.startswith("mtp.layers.0.")}
+    experts = range(cfg.num_experts)  # transformers holds the experts fused: [E, 2I, H] (gate | up), [E, H, I]
+    state["mlp.experts.gate_up_proj"] = torch.stack([
+        torch.cat((state.pop(f"mlp.experts.{i}.gate_proj.weight"), state.pop(f"mlp.experts.{i}.up_proj.weight")))
+        for i in experts
+    ])  # fmt: skip
+    state["mlp.experts.down_proj"] = torch.stack([state.pop(f"mlp.experts.{i}.down_proj.weight") for i in experts])
+    layer.load_state_dict(state)
+    norms: dict[str, Any] = {}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        norms[name] = Qwen3NextRMSNorm(n_hidden, eps=cfg.rms_norm_eps)
+        norms[name].load_state_dict({"weight": mtp[f"mtp.{name}.weight"]})
+    fc = torch.nn.Linear(2 * n_hidden, n_hidden, bias=False)
+    fc.load_state_dict({"weight": mtp["mtp.fc.weight"]})
+    ids = _prompts(700, seed=7, n=1)[0][:24]
+    n = len(ids)
+    with torch.inference_mode():
+        last = hf.model(input_ids=torch.tensor([ids])).last_hidden_state  # after the final norm
+        e = norms["pre_fc_norm_embedding"](hf.model.embed_tokens(torch.tensor([ids[1:]])))
+        x = fc(torch.cat((e, norms["pre_fc_norm_hidden"](last[:, :-1])), dim=-1))
+        pos = torch.arange(n - 1)[None]
+        mask = torch.full((n - 1, n - 1), float("-inf")).triu(1)[None, None]
+        x = layer(x, position_embeddings=hf.model.rotary_emb(x, pos), attention_mask=mask, position_ids=pos)
+        want = hf.lm_head(norms["norm"](x))[0]
+
+        eng = _engine(tiny_qwen3_next)
+        assert isinstance(eng.draft, MtpDrafter)
+        d = eng.draft
+        inp = eng._batch_input([ReqInput("r", 0, ids, 0, list(range(n)), mamba_slot=0, sample=False)])
+        model: Any = eng.model
+        _, hidden = model.forward_hidden(ForwardBatch.build(inp, eng.device, eng.attn), eng._ctx)
+        entries = BatchInput([0], [0], [ids[1:]], [list(range(n - 1))], None, [0])
+        g = d.head(ForwardBatch.build(entries, eng.device, d.pool.attn), d.pool.ctx, hidden[:-1])
+        got = d.head.logits(g)
+    assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
