@@ -58,6 +58,20 @@ def test_mtp_output_equals_transformers(tiny_qwen3_next: Path, overlap: bool) ->
     _books(loop)
 
 
+def test_sampled_output_is_the_same_with_mtp(tiny_qwen3_next: Path) -> None:
+    """Seeded sampling: each verify position is sampled as the plain decode at that output index
+    would be, so MTP on and off give the same tokens."""
+    prompts = _prompts(700, seed=8, n=3)
+    specs = [h.Spec(p, 12, temperature=0.8, seed=70 + i) for i, p in enumerate(prompts)]
+    plain = h.Engine(tiny_qwen3_next, h.EngineConfig(device=h.TEST_DEVICE, kv_cache_bytes=1 << 22, max_rows=8))
+    off, _ = h.run(plain, specs, LoopConfig(max_prefill_tokens=16))
+    on, loop = h.run(_engine(tiny_qwen3_next), specs, LoopConfig(max_prefill_tokens=16, spec=MTP))
+    assert [o.ids for o in on] == [o.ids for o in off]
+    assert loop.batcher is not None and loop.batcher.spec is not None
+    assert loop.batcher.spec.counters.verify_steps > 0
+    _books(loop)
+
+
 def test_kept_drafts_with_an_oracle_head(tiny_qwen3_next: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The accept path by construction: the head's greedy tokens are replaced (after its forward,
     which still writes its KV) by the target's own continuation, wrong at every third position,
