@@ -96,6 +96,32 @@ def test_qwen3_next_is_hybrid_and_loads(qwen3_next: Path) -> None:
     assert torch.isfinite(logits).all()
 
 
+def test_qwen3_next_carries_an_mtp_head(qwen3_next: Path, tmp_path: Path) -> None:
+    """Random ``mtp.*`` weights in the released checkpoints' layout, in a file of their own that
+    transformers does not read; completing an older checkpoint writes the same bytes."""
+    import shutil
+
+    from services.worker.models.qwen3_next_mtp import mtp_problem
+    from services.worker.tiny import MTP_FILE, add_mtp_head
+
+    config = json.loads((qwen3_next / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1 and mtp_problem(qwen3_next) is None
+    head = load_file(qwen3_next / MTP_FILE)
+    hidden = config["hidden_size"]
+    assert all(n.startswith("mtp.") for n in head) and head["mtp.fc.weight"].shape == (hidden, 2 * hidden)
+    assert {"mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight",
+            "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.0.mlp.gate.weight"} <= set(head)  # fmt: skip
+    assert not any(n.startswith("mtp.") for n in load_file(qwen3_next / "model.safetensors"))
+    older = tmp_path / "older"
+    shutil.copytree(qwen3_next, older)
+    (older / MTP_FILE).unlink()
+    (older / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "num_nextn_predict_layers"}))
+    assert mtp_problem(older) is not None
+    assert add_mtp_head(older) and not add_mtp_head(older)
+    for name in (MTP_FILE, "config.json"):
+        assert (older / name).read_bytes() == (qwen3_next / name).read_bytes(), name
+
+
 def test_rejects_unknown_arch_and_size(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="arch"):
         write_tiny_checkpoint("gpt2", "tiny", tmp_path)  # type: ignore[arg-type]
