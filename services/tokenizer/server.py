@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import grpc
-from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
 from prometheus_client import CollectorRegistry
 
 from services.common import telemetry, validation
@@ -22,6 +22,7 @@ from services.common.discovery import ModelRegistry, Registration, ServiceRecord
 from services.common.errors import AlreadyExists, InvalidArgument, StrataError
 from services.common.metrics import LENGTH_BUCKETS, REQUEST_BUCKETS_S, MetricFactory, serve_metrics
 from services.common.server import Server, run_service, settle_heap
+from services.tokenizer.answer import Answer
 from services.tokenizer.chat import Prepared, chat_inputs, render
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.detokenizer import IncrementalDetokenizer
@@ -224,6 +225,71 @@ class StrataServicer(pgrpc.StrataServicer):
         validation.check_cache_salt(request.cache_salt)
         if prepared is None:
             prepared = await self.prepare(request)
+        sreq, gen = self._scheduler_request(request, prepared, rid)
+        if rid in self._running:  # checked and claimed with no await between: the id is ours
+            raise AlreadyExists(f"request_id: {rid!r} is already running")
+        self._running[rid] = ""
+        # Our own CLIENT span, ended below whatever way the stream ends (an interceptor's span stays
+        # open when the tokenizer stops reading early, and the scheduler's span loses its parent).
+        span = _tracer.start_span(
+            "/strata.scheduler.v1.Scheduler/Generate",
+            kind=SpanKind.CLIENT,
+            attributes={"rpc.system": "grpc", "strata.request_id": rid},
+        )
+        trace_context = telemetry.inject_context(set_span_in_context(span))
+        detok = IncrementalDetokenizer(self.decode, gen.stop, prompt_tail=prepared.ids)
+        answer = Answer(rid, request.stream, len(prepared.ids), detok,
+                        self.metrics.tokens if self.metrics is not None else None)  # fmt: skip
+        inbox: Inbox | None = None
+        ticket: Ticket | None = None
+        tried: set[str] = set()  # schedulers that answered UNAVAILABLE (no worker) for this request
+        try:
+            inbox, chunk, ticket = await self._open(rid, sreq, trace_context, timeout_s, tried, role="prefill")
+            span.set_attribute("strata.replica", ticket.choice.address)
+            span.set_attribute("strata.predicted_cached_tokens", ticket.choice.overlap_tokens)
+            while True:
+                end = chunk.end
+                failure = end if end is not None and end.status_code else None
+                # A prefill replica's hand-over: its tokens go out, then a decode replica goes on.
+                handoff = end is not None and end.handoff and failure is None
+                # A failure's or hand-over's tokens (sampled before it) still go out first.
+                final = answer.take(chunk, None if failure is not None or handoff else end, inbox.cached_tokens)
+                resume = failure is not None and self._resumable(chunk, failure, ticket, tried, answer.progressed)
+                if failure is not None and not final.finish_reason and not resume:
+                    if request.stream and final.token_ids:
+                        yield final
+                    code = _CODES.get(failure.status_code, grpc.StatusCode.UNKNOWN)
+                    span.set_status(Status(StatusCode.ERROR, f"{code.name}: {failure.error}"))
+                    raise Relay(code, failure.error or code.name)
+                if request.stream:
+                    if final.token_ids or final.finish_reason or not (resume or handoff):
+                        yield final
+                else:
+                    answer.keep(final)
+                if final.finish_reason:
+                    self._finished(span, answer, final, ticket)
+                    if not request.stream:
+                        yield answer.whole(final)
+                    return
+                if resume or handoff:
+                    inbox, chunk, ticket = await self._go_on(
+                        answer, sreq, gen.max_new_tokens, chunk, inbox, ticket, handoff, trace_context, timeout_s,
+                        tried, span,
+                    )  # fmt: skip
+                    continue
+                chunk = await inbox.next()
+        finally:
+            self._running.pop(rid, None)
+            if inbox is not None:
+                inbox.close()
+            if ticket is not None:
+                ticket.finish()
+            span.end()
+
+    def _scheduler_request(
+        self, request: pb.GenerateRequest, prepared: Prepared, rid: str
+    ) -> tuple[spb.GenerateRequest, validation.Generation]:
+        """The request as the scheduler takes it, and its checked generation settings."""
         ids = prepared.ids
         scoring = request.prompt_logprobs if request.HasField("prompt_logprobs") else None
         gen = validation.generation(
@@ -242,136 +308,42 @@ class StrataServicer(pgrpc.StrataServicer):
             sreq.sampling.seed = secrets.randbits(63)
         if prepared.constraint is not None:
             setattr(sreq.constraint, *prepared.constraint)
-        if rid in self._running:  # checked and claimed with no await between: the id is ours
-            raise AlreadyExists(f"request_id: {rid!r} is already running")
-        self._running[rid] = ""
-        detok = IncrementalDetokenizer(self.decode, gen.stop, prompt_tail=ids)
-        all_ids: list[int] = []
-        all_text: list[str] = []
-        all_lps: list[pb.TokenLogprob] = []
-        scored: pb.PromptLogprobs | None = None  # the scored prompt (prompt_logprobs), for the whole answer
-        streamed: list[int] = []  # every output token so far: what a resumed request continues from
-        # Our own CLIENT span, ended below whatever way the stream ends (an interceptor's span stays
-        # open when the tokenizer stops reading early, and the scheduler's span loses its parent).
-        span = _tracer.start_span(
-            "/strata.scheduler.v1.Scheduler/Generate",
-            kind=SpanKind.CLIENT,
-            attributes={"rpc.system": "grpc", "strata.request_id": rid},
-        )
-        trace_context = telemetry.inject_context(set_span_in_context(span))
-        inbox: Inbox | None = None
-        ticket: Ticket | None = None
-        t0, first = time.perf_counter(), None
-        previous = t0
-        tried: set[str] = set()  # schedulers that answered UNAVAILABLE (no worker) for this request
-        cached: int | None = None  # cached prompt tokens where the request started (once resumed)
-        progressed = False  # tokens came from the current scheduler (a lost one is then resumed from them)
-        try:
-            inbox, chunk, ticket = await self._open(rid, sreq, trace_context, timeout_s, tried, role="prefill")
-            span.set_attribute("strata.replica", ticket.choice.address)
-            span.set_attribute("strata.predicted_cached_tokens", ticket.choice.overlap_tokens)
-            while True:
-                final = pb.GenerateResponse(request_id=rid)
-                end = chunk.end
-                failure = end if end is not None and end.status_code else None
-                # A prefill replica's hand-over: its tokens go out, then a decode replica goes on.
-                handoff = end is not None and end.handoff and failure is None
-                if failure is not None or handoff:
-                    end = None  # its tokens (sampled before it failed) still go out first
-                progressed = progressed or bool(chunk.token_ids)
-                resume = failure is not None and self._resumable(chunk, failure, ticket, tried, progressed)
-                if chunk.prompt is not None:
-                    scored = chunk.prompt
-                    if request.stream:
-                        final.prompt_logprobs.CopyFrom(scored)
-                if chunk.token_ids:
-                    now = time.perf_counter()
-                    if first is not None and self.metrics is not None:
-                        self.metrics.tokens(len(chunk.token_ids), now - previous)
-                    first, previous = first or now, now
-                    out = detok.feed(chunk.token_ids)
-                    final.token_ids.extend(chunk.token_ids)
-                    final.logprobs.extend(chunk.logprobs)
-                    final.text = out.text
-                    streamed += chunk.token_ids
-                    if out.stopped:  # a stop string: end here; closing the inbox frees the scheduler's slots
-                        final.finish_reason = pb.FINISH_REASON_STOP
-                        final.usage.CopyFrom(
-                            pb.Usage(
-                                prompt_tokens=len(ids),
-                                completion_tokens=len(streamed),
-                                cached_tokens=inbox.cached_tokens if cached is None else cached,
-                            )
-                        )
-                if end is not None and not detok.stopped:
-                    final.text += detok.flush().text
-                    final.finish_reason = end.finish_reason
-                    final.usage.CopyFrom(end.usage)
-                    if cached is not None:  # the continuation's replica counted its own hit
-                        final.usage.cached_tokens = cached
-                    final.error = end.error
-                if failure is not None and not final.finish_reason and not resume:
-                    if request.stream and final.token_ids:
-                        yield final
-                    code = _CODES.get(failure.status_code, grpc.StatusCode.UNKNOWN)
-                    span.set_status(Status(StatusCode.ERROR, f"{code.name}: {failure.error}"))
-                    raise Relay(code, failure.error or code.name)
-                if request.stream:
-                    if final.token_ids or final.finish_reason or not (resume or handoff):
-                        yield final
-                else:
-                    all_ids += final.token_ids
-                    all_text.append(final.text)
-                    all_lps += final.logprobs
-                if final.finish_reason:
-                    span.set_attribute("strata.cached_tokens", final.usage.cached_tokens)
-                    if self.metrics is not None:
-                        self.metrics.finished(final, t0, first)
-                        if ticket is not None:
-                            self.metrics.routed(ticket.choice, final.usage)
-                    if not request.stream:
-                        yield pb.GenerateResponse(
-                            request_id=rid,
-                            token_ids=all_ids,
-                            text="".join(all_text),
-                            logprobs=all_lps,
-                            finish_reason=final.finish_reason,
-                            usage=final.usage,
-                            error=final.error,
-                            prompt_logprobs=scored,
-                        )
-                    return
-                if resume or handoff:
-                    # The scheduler died (or lost its worker for good) mid-stream, or a prefill replica
-                    # handed the request over: it goes on from the tokens already streamed, on another
-                    # replica (a decode one after a hand-over) or the restarted one.
-                    if resume:
-                        why = "lost" if chunk.lost else "has no worker"
-                        log.info("request %s: scheduler %s %s after %d tokens; resuming", rid, ticket.choice.address,
-                                 why, len(streamed))  # fmt: skip
-                    if cached is None and streamed:
-                        cached = inbox.cached_tokens
-                    inbox.close()
-                    ticket.finish()
-                    if resume and chunk.lost:
-                        self.router.set_aside(ticket.choice.address)
-                    left = None if timeout_s is None else max(timeout_s - (time.perf_counter() - t0), 0.001)
-                    cont = _continuation(sreq, streamed, gen.max_new_tokens)
-                    inbox, chunk, ticket = await self._open(rid, cont, trace_context, left, tried, role="decode")
-                    progressed = False
-                    if self.metrics is not None:
-                        (self.metrics.handoffs if handoff else self.metrics.resumed).labels(self.metrics.model).inc()
-                    span.add_event("handed over" if handoff else "resumed",
-                                   {"strata.replica": ticket.choice.address, "strata.tokens": len(streamed)})
-                    continue
-                chunk = await inbox.next()
-        finally:
-            self._running.pop(rid, None)
-            if inbox is not None:
-                inbox.close()
+        return sreq, gen
+
+    def _finished(self, span: Span, answer: Answer, final: pb.GenerateResponse, ticket: Ticket | None) -> None:
+        span.set_attribute("strata.cached_tokens", final.usage.cached_tokens)
+        if self.metrics is not None:
+            self.metrics.finished(final, answer.t0, answer.first)
             if ticket is not None:
-                ticket.finish()
-            span.end()
+                self.metrics.routed(ticket.choice, final.usage)
+
+    async def _go_on(
+        self, answer: Answer, sreq: spb.GenerateRequest, max_new_tokens: int, chunk: Chunk, inbox: Inbox,
+        ticket: Ticket, handoff: bool, trace_context: dict[str, str], timeout_s: float | None, tried: set[str],
+        span: Span,
+    ) -> tuple[Inbox, Chunk, Ticket]:
+        """The scheduler died (or lost its worker for good) mid-stream, or a prefill replica handed
+        the request over: it goes on from the tokens already streamed, on another replica (a decode
+        one after a hand-over) or the restarted one."""
+        if not handoff:
+            why = "lost" if chunk.lost else "has no worker"
+            log.info("request %s: scheduler %s %s after %d tokens; resuming", answer.rid, ticket.choice.address,
+                     why, len(answer.streamed))  # fmt: skip
+        if answer.cached is None and answer.streamed:
+            answer.cached = inbox.cached_tokens
+        inbox.close()
+        ticket.finish()
+        if not handoff and chunk.lost:
+            self.router.set_aside(ticket.choice.address)
+        left = None if timeout_s is None else max(timeout_s - (time.perf_counter() - answer.t0), 0.001)
+        cont = _continuation(sreq, answer.streamed, max_new_tokens)
+        inbox, chunk, ticket = await self._open(answer.rid, cont, trace_context, left, tried, role="decode")
+        answer.progressed = False
+        if self.metrics is not None:
+            (self.metrics.handoffs if handoff else self.metrics.resumed).labels(self.metrics.model).inc()
+        span.add_event("handed over" if handoff else "resumed",
+                       {"strata.replica": ticket.choice.address, "strata.tokens": len(answer.streamed)})  # fmt: skip
+        return inbox, chunk, ticket
 
     def _resumable(
         self, chunk: Chunk, failure: spb.RequestEnd, ticket: Ticket, tried: set[str], progressed: bool
