@@ -24,12 +24,9 @@ import mmap
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import Literal, Protocol
 
 import torch
-
-if TYPE_CHECKING:  # mamba_pool builds its tensors on this module: no import cycle at run time
-    from services.worker.mamba_pool import MambaSpec
 
 OS_PAGE_BYTES = mmap.PAGESIZE
 # Python's mmap module does not export MAP_NORESERVE; without it the kernel's overcommit
@@ -294,15 +291,6 @@ class ElasticPoolLayout:
         """Fields ``k0, v0, k1, v1, …`` of shape ``[num_kv_heads, head_dim]``."""
         fields = tuple(FieldSpec(f"{kv}{i}", dtype, (num_kv_heads, head_dim))
                        for i in range(num_layers) for kv in ("k", "v"))
-        return cls(fields, max_slots, page_bytes, grouping)
-
-    @classmethod
-    def mamba(cls, spec: MambaSpec, max_slots: int, page_bytes: int,
-              grouping: Grouping = "slot_major") -> ElasticPoolLayout:
-        """Fields ``conv0, ssm0, conv1, ssm1, …`` as ``MambaPool`` lays out one slot."""
-        fields = tuple(f for i in range(spec.num_layers) for f in (
-            FieldSpec(f"conv{i}", spec.conv_dtype, spec.conv_shape),
-            FieldSpec(f"ssm{i}", spec.ssm_dtype, spec.ssm_shape)))
         return cls(fields, max_slots, page_bytes, grouping)
 
     @property

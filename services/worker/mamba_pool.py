@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.elastic import ElasticPool, ElasticPoolLayout, ResizeResult
+from services.worker.elastic import ElasticPool, ElasticPoolLayout, FieldSpec, Grouping, ResizeResult
 from services.worker.pool_backing import BackingChoice, choose_backing, held_bytes
 
 
@@ -50,6 +50,13 @@ class MambaSpec:
         for name, shape in (("conv_shape", self.conv_shape), ("ssm_shape", self.ssm_shape)):
             if not shape or any(d < 1 for d in shape):
                 raise ValueError(f"MambaSpec.{name} must be non-empty and positive, got {shape}")
+
+    def layout(self, max_slots: int, page_bytes: int, grouping: Grouping = "slot_major") -> ElasticPoolLayout:
+        """The elastic pool's fields ``conv0, ssm0, conv1, ssm1, …``, one slot as ``MambaPool`` lays it out."""
+        fields = tuple(f for i in range(self.num_layers) for f in (
+            FieldSpec(f"conv{i}", self.conv_dtype, self.conv_shape),
+            FieldSpec(f"ssm{i}", self.ssm_dtype, self.ssm_shape)))  # fmt: skip
+        return ElasticPoolLayout(fields, max_slots, page_bytes, grouping)
 
     @property
     def bytes_per_slot(self) -> int:
@@ -84,7 +91,7 @@ class MambaPool:
         self.spec = spec
         self.device = torch.device(device)
         self.backing = backing or choose_backing(self.device)
-        layout = ElasticPoolLayout.mamba(spec, max_slots, self.backing.page_bytes, grouping="field_major")
+        layout = spec.layout(max_slots, self.backing.page_bytes, grouping="field_major")
         self._pool = ElasticPool(layout, num_slots, backing=self.backing.make)
         self.conv: list[torch.Tensor] = [self._pool.view(f"conv{i}") for i in range(spec.num_layers)]
         self.ssm: list[torch.Tensor] = [self._pool.view(f"ssm{i}") for i in range(spec.num_layers)]

@@ -95,7 +95,7 @@ def test_layouts_give_kvpool_and_mambapool_shapes() -> None:
     fm = ElasticPool(kv_layout("field_major", max_slots=100), capacity=100)
     assert fm.view("v2").is_contiguous()  # contiguous per-layer pool, as the kernels expect today
     spec = MambaSpec(num_layers=2, conv_shape=(24, 3), ssm_shape=(2, 4, 4), conv_dtype=torch.bfloat16)
-    mamba = ElasticPool(ElasticPoolLayout.mamba(spec, max_slots=8, page_bytes=OS_PAGE_BYTES), capacity=8)
+    mamba = ElasticPool(spec.layout(max_slots=8, page_bytes=OS_PAGE_BYTES), capacity=8)
     assert mamba.view("conv1").shape == (8, 24, 3) and mamba.view("conv1").dtype == torch.bfloat16
     assert mamba.view("ssm0").shape == (8, 2, 4, 4) and mamba.view("ssm0").dtype == torch.float32
     assert mamba.layout.bytes_per_slot >= spec.bytes_per_slot
