@@ -36,28 +36,23 @@ from typing import cast
 import torch
 
 from services.common.step import ReqInput
-from services.worker.batch import BatchInput, ForwardBatch
+from services.worker.batch import BatchInput, ForwardBatch, int64_tensor
 from services.worker.draft import DraftPool
 from services.worker.engine_config import AttentionPath
 from services.worker.models.qwen3_next_mtp import load_mtp
 from services.worker.pools import KVPool, ReqToTokenTable
 
 
-@dataclass(frozen=True, slots=True)
-class _Pending:
-    pos: int  # the row's last kept position
-    hidden: torch.Tensor  # the target's hidden state there [H] (an owned copy, not a view)
-
-
 @dataclass(slots=True)
 class _Entries:
-    """Head entries of one forward, one list per field in request order (as ``BatchInput``)."""
+    """Head entries of one forward, one list per field in request order (as ``BatchInput``), and
+    their hidden states ``[T, H]`` in the same flat order."""
 
     rows: list[int]
     start: list[int]
     ids: list[list[int]]
     slots: list[list[int]]
-    hidden: list[torch.Tensor]  # [n_b, H] per request
+    hidden: torch.Tensor
 
 
 class MtpDrafter:
@@ -70,17 +65,21 @@ class MtpDrafter:
         req_to_token: ReqToTokenTable, attention: AttentionPath,
     ) -> None:
         self.head = load_mtp(model_dir, target, dtype, device)
+        hidden_size = self.head.fc.out_features
         self.pool = DraftPool(self.head.num_kv_layers, self.head.num_kv_heads, self.head.head_dim, dtype, device,
                               target_kv, req_to_token, attention)  # fmt: skip
         self.req_to_token = req_to_token
         self.device = device
-        self._pending: dict[int, _Pending] = {}
+        # Each row's pending state: the position (``_pos``) and the target's hidden state there
+        # (row ``row`` of ``_hidden``, written in place: no per-row tensor, no view of a step's).
+        self._pos: dict[int, int] = {}
+        self._hidden = torch.zeros((req_to_token.num_rows, hidden_size), dtype=dtype, device=device)
 
     def resize(self, num_slots: int) -> None:
         self.pool.resize(num_slots)
 
     def release(self, row: int) -> None:
-        self._pending.pop(row, None)
+        self._pos.pop(row, None)
 
     def propose(self, reqs: list[ReqInput], inp: BatchInput) -> None:
         """Write the drafts of the requests with ``worker_drafts``. One whose pending hidden state
@@ -90,20 +89,19 @@ class MtpDrafter:
         for b, r in enumerate(reqs):
             if not r.worker_drafts:
                 continue
-            p = self._pending.get(r.row)
-            if p is not None and p.pos == r.start_pos - 1:
+            if self._pos.get(r.row) == r.start_pos - 1:
+                del self._pos[r.row]  # its entry is written here
                 ready.append(b)
             else:
                 r.input_ids[1:] = [r.input_ids[0]] * r.num_draft
         if not ready:
             return
-        first = [self._pending.pop(reqs[b].row) for b in ready]
         host = self.req_to_token.host
+        rows = [reqs[b].row for b in ready]
         entries = _Entries(
-            [reqs[b].row for b in ready], [reqs[b].start_pos - 1 for b in ready],
-            [[inp.input_ids[b][0]] for b in ready],
+            rows, [reqs[b].start_pos - 1 for b in ready], [[inp.input_ids[b][0]] for b in ready],
             [[int(host[reqs[b].row, reqs[b].start_pos - 1])] for b in ready],
-            [p.hidden[None] for p in first],
+            self._hidden[int64_tensor(rows, self.device)],
         )  # fmt: skip
         tokens, g = self._forward(entries, want=1)
         live = list(range(len(ready)))  # indices into ready
@@ -118,7 +116,7 @@ class MtpDrafter:
             chain = [reqs[ready[k]] for k in live]
             entries = _Entries(
                 [r.row for r in chain], [r.start_pos + j - 1 for r in chain], [[r.input_ids[j]] for r in chain],
-                [[r.new_slots[j - 1]] for r in chain], [g[n : n + 1] for n in range(len(chain))],
+                [[r.new_slots[j - 1]] for r in chain], g,
             )  # fmt: skip
             tokens, g = self._forward(entries, want=1)
 
@@ -126,35 +124,40 @@ class MtpDrafter:
         """Write the entries of every position the step kept but the last, from the target's
         ``hidden`` states; the last becomes the row's pending state."""
         assert hidden is not None  # wants_hidden
-        entries = _Entries([], [], [], [], [])
+        rows: list[int] = []
+        start: list[int] = []
+        ids: list[list[int]] = []
+        slots: list[list[int]] = []
+        src: list[int] = []  # each entry's hidden state: a row of cat(self._hidden, hidden)
+        last: list[int] = []  # each request's last kept position, in hidden
         host = self.req_to_token.host
+        base = self._hidden.shape[0]
         cu = 0
         for b, r in enumerate(reqs):
-            s, ids, n = inp.start_pos[b], inp.input_ids[b], len(inp.input_ids[b])
+            s, x, n = inp.start_pos[b], inp.input_ids[b], len(inp.input_ids[b])
             # A verify keeps its input and accepted drafts; without sampling (forward_logits) all.
             valid = kept.get(r.row, n) if r.num_draft else n
-            pend = self._pending.pop(r.row, None)
-            lead = pend is not None and pend.pos == s - 1  # entry s-1 not yet written
-            count = valid - 1 + lead
-            if count:
-                entries.rows.append(r.row)
-                entries.start.append(s - 1 if lead else s)
-                entries.ids.append(ids[1 - lead : valid])
-                entries.slots.append(([int(host[r.row, s - 1])] if lead else []) + inp.out_slots[b][: valid - 1])
-                h = hidden[cu : cu + valid - 1]
-                entries.hidden.append(torch.cat((cast(_Pending, pend).hidden[None], h)) if lead else h)
-            self._pending[r.row] = _Pending(s + valid - 1, hidden[cu + valid - 1].clone())
+            lead = self._pos.get(r.row) == s - 1  # entry s-1 not yet written
+            if valid - 1 + lead:
+                rows.append(r.row)
+                start.append(s - 1 if lead else s)
+                ids.append(x[1 - lead : valid])
+                slots.append(([int(host[r.row, s - 1])] if lead else []) + inp.out_slots[b][: valid - 1])
+                src += ([r.row] if lead else []) + list(range(base + cu, base + cu + valid - 1))
+            self._pos[r.row] = s + valid - 1
+            last.append(cu + valid - 1)
             cu += n
-        if entries.rows:
-            self._forward(entries, want=0)
+        h = torch.cat((self._hidden, hidden))[int64_tensor(src, self.device)] if rows else None  # before ...
+        self._hidden[int64_tensor([r.row for r in reqs], self.device)] = hidden[int64_tensor(last, self.device)]
+        if h is not None:  # ... the pending states are overwritten
+            self._forward(_Entries(rows, start, ids, slots, h), want=0)
 
     def _forward(self, e: _Entries, want: int) -> tuple[list[int], torch.Tensor]:
         """Run the head over ``e``; the greedy token of each request's last entry (``want`` 1) and
         the head's output ``[T, H]``."""
         inp = BatchInput(e.rows, e.start, e.ids, e.slots, None, [want] * len(e.rows))
         batch = ForwardBatch.build(inp, self.device, self.pool.attn)
-        hidden = e.hidden[0] if len(e.hidden) == 1 else torch.cat(e.hidden)
-        g = self.head(batch, self.pool.ctx, hidden)
+        g = self.head(batch, self.pool.ctx, e.hidden)
         if not want:
             return [], g
         tokens = self.head.logits(g[batch.logit_index]).argmax(dim=-1)
