@@ -236,3 +236,37 @@ def test_head_logits_equal_transformers_layers(tiny_qwen3_next: Path) -> None:
         g = d.head(ForwardBatch.build(entries, eng.device, d.pool.attn), d.pool.ctx, hidden[:-1])
         got = d.head.logits(g)
     assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
+
+
+def test_mtp_with_elastic_pools(tiny_qwen3_next: Path) -> None:
+    """The head's pool follows every PoolResize of the target's (the same slots, grown and shrunk
+    by the orchestrator under load and when idle); output still equals transformers."""
+    import asyncio
+
+    kv_b = _engine(tiny_qwen3_next).info.bytes_per_slot
+    eng = h.Engine(tiny_qwen3_next, h.EngineConfig(
+        device=h.TEST_DEVICE, kv_cache_bytes=256 * kv_b, max_rows=8, mamba_slots=8, kv_max_bytes=8192 * kv_b,
+        mamba_max_slots=64, mtp=True,
+    ))  # fmt: skip
+    if eng.info.slot_granularity > 128:
+        pytest.skip("the device's pool pages are coarser than this workload's pool")
+    assert isinstance(eng.draft, MtpDrafter)
+    budget = 4096 * kv_b + 32 * eng.info.bytes_per_mamba_slot
+    cfg = LoopConfig(max_prefill_tokens=64, elastic_budget_bytes=budget, elastic_idle_s=0.2, elastic_min_kv_slots=128,
+                     spec=MTP)  # fmt: skip
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, eng.info.vocab_size) for _ in range(rng.randrange(60, 120))] for _ in range(6)]
+    sizes: list[int] = []
+
+    async def body(loop: SchedulerLoop) -> list[h.Outcome]:
+        outs = await asyncio.gather(*(h.one(loop, f"r{i}", h.Spec(p, 8)) for i, p in enumerate(prompts)))
+        sizes.append(eng.kv.num_slots)
+        await asyncio.sleep(1.0)  # idle: the loop gives memory back
+        sizes.append(eng.kv.num_slots)
+        return list(outs)
+
+    outs, loop = h.serve(eng, cfg, body)
+    assert [o.ids for o in outs] == [hf_greedy(tiny_qwen3_next, p, 8, stop_at_eos=False) for p in prompts]
+    assert loop.batcher is not None and loop.batcher.elastic is not None and loop.batcher.elastic.resizes > 0
+    assert sizes[0] > 256 and sizes[1] < sizes[0] and eng.draft.pool.kv.num_slots == eng.kv.num_slots, sizes
+    _books(loop)
