@@ -47,6 +47,7 @@ class Drafter(Protocol):
     """
 
     wants_hidden: bool
+    pool: DraftPool
 
     def resize(self, num_slots: int) -> None: ...
 

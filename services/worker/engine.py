@@ -117,16 +117,17 @@ class Engine:
             if kv_max or mamba_max:
                 log.warning("pools cannot grow beyond their starting size on %s: %s", device, backing.reason)
             kv_max = mamba_max = 0  # a fixed allocation of the whole reservation would be wasted
-        kv_bytes = cfg.kv_cache_bytes or auto_kv_bytes(
-            device, cfg.kv_mem_fraction,
-            KVPool.slot_bytes(model.num_kv_layers, model.num_kv_heads, model.head_dim, dtype),
-            cfg.max_rows * context,
-        )  # fmt: skip
+        target_slot = KVPool.slot_bytes(model.num_kv_layers, model.num_kv_heads, model.head_dim, dtype)
+        # The MTP head's one attention layer keeps KV at the target's slots (services/worker/mtp.py):
+        # the KV budget and the bytes per slot the scheduler plans with cover both pools.
+        self._head_slot = KVPool.slot_bytes(1, model.num_kv_heads, model.head_dim, dtype) if cfg.mtp else 0
+        slot_bytes = target_slot + self._head_slot
+        kv_bytes = cfg.kv_cache_bytes or auto_kv_bytes(device, cfg.kv_mem_fraction, slot_bytes, cfg.max_rows * context)
         kv_bytes = tp.agree_min([kv_bytes])[0]  # the same slot indices on every rank
         self.kv = KVPool.from_budget(
-            kv_bytes, model.num_kv_layers, model.num_kv_heads, model.head_dim, dtype, device,
-            cfg.page_size, max_bytes=kv_max, backing=backing,
-        )
+            kv_bytes * target_slot // slot_bytes, model.num_kv_layers, model.num_kv_heads, model.head_dim, dtype,
+            device, cfg.page_size, max_bytes=kv_max * target_slot // slot_bytes, backing=backing,
+        )  # fmt: skip
         self.req_to_token = ReqToTokenTable(cfg.max_rows, context, device)
         self.mamba: MambaPool | None = None
         spec = getattr(model, "mamba_spec", None)
@@ -148,7 +149,7 @@ class Engine:
             context_length=context,
             eos_token_ids=loaded.eos_token_ids,
             num_slots=self.kv.num_slots,
-            bytes_per_slot=self.kv.bytes_per_slot,
+            bytes_per_slot=slot_bytes,
             page_size=cfg.page_size,
             num_rows=cfg.max_rows,
             num_mamba_slots=self.mamba.num_slots if self.mamba else 0,
@@ -239,7 +240,7 @@ class Engine:
             ops_done=len(req.ops),
             num_slots=self.kv.num_slots,
             num_mamba_slots=self.mamba.num_slots if self.mamba else 0,
-            kv_committed_bytes=self.kv.committed_bytes,
+            kv_committed_bytes=self._kv_committed_bytes(),
             mamba_committed_bytes=self.mamba.committed_bytes if self.mamba else 0,
         )
         if not req.reqs:
@@ -296,6 +297,12 @@ class Engine:
             result.jobs = self._finish_host()
         result.idle_s = t2 - t1 if late else 0.0  # waiting for the late masks
         return result
+
+    def _kv_committed_bytes(self) -> int:
+        """The KV pool's committed bytes, and the MTP head's pool's (counted in ``bytes_per_slot``)."""
+        if self._head_slot and self.draft is not None:
+            return self.kv.committed_bytes + self.draft.pool.kv.committed_bytes
+        return self.kv.committed_bytes
 
     def _finish_host(self) -> list[JobResult]:
         """The host jobs' results; with tensor parallelism, what every rank achieved (an L3 get

@@ -270,3 +270,17 @@ def test_mtp_with_elastic_pools(tiny_qwen3_next: Path) -> None:
     assert loop.batcher is not None and loop.batcher.elastic is not None and loop.batcher.elastic.resizes > 0
     assert sizes[0] > 256 and sizes[1] < sizes[0] and eng.draft.pool.kv.num_slots == eng.kv.num_slots, sizes
     _books(loop)
+
+
+def test_the_kv_budget_covers_the_head_pool(tiny_qwen3_next: Path) -> None:
+    """kv_cache_bytes holds the target's pool and the head's (one more attention layer per slot):
+    the bytes per slot the scheduler plans with count both, and so do the committed bytes."""
+    budget = 1 << 20
+    plain = h.Engine(tiny_qwen3_next, h.EngineConfig(device=h.TEST_DEVICE, kv_cache_bytes=budget, max_rows=2))
+    eng = h.Engine(tiny_qwen3_next, h.EngineConfig(device=h.TEST_DEVICE, kv_cache_bytes=budget, max_rows=2, mtp=True))
+    assert isinstance(eng.draft, MtpDrafter)
+    target, head = plain.info.bytes_per_slot, eng.draft.pool.kv.bytes_per_slot
+    assert eng.info.bytes_per_slot == target + head and head * plain.model.num_kv_layers == target
+    assert eng.kv.num_slots == eng.draft.pool.kv.num_slots <= budget // (target + head) < plain.kv.num_slots
+    result = eng.step(StepRequest(1))
+    assert result.kv_committed_bytes == eng.kv.committed_bytes + eng.draft.pool.kv.committed_bytes
