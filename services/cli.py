@@ -226,7 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--etcd", default="", help="use this etcd endpoint instead of starting one")
     up.add_argument("--restart", default="no", choices=["no", "on-failure"],
                     help="a service that crashes: stop everything (no), or start it again at the same "
-                         "ports after a backoff of 1 s doubling to 30 s (on-failure); its requests resume")
+                         "ports after a backoff of 1 s doubling to 30 s (on-failure); its requests resume. "
+                         "The etcd it started (not --etcd) likewise, on its data directory")
     up.add_argument("--replicas", type=int, default=1,
                     help="worker + scheduler pairs behind the one tokenizer (each on --device)")
     up.add_argument("--prefill-replicas", type=int, default=0,

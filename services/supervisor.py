@@ -1,6 +1,7 @@
 """``strata up``: start etcd and the four services as separate processes, health-gated, and stop
 them all cleanly on Ctrl-C or as soon as one of them dies — or, with ``--restart on-failure``,
-restart a service that crashed (exit code not 0) after a backoff, at the address it had.
+restart a service that crashed (exit code not 0) after a backoff, at the address it had, and the
+etcd it started (not an ``--etcd`` endpoint), whatever way that ended, on its ports and data.
 
 Each child is ``python -m services.<name>.server`` with flags; its output goes to
 ``<run_dir>/<name>.log`` and it announces readiness with one ``READY <name> <address>`` line.
@@ -21,9 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from services.common.etcd_proc import EtcdProcess, die_with_parent, free_port
+from services.common.etcd_proc import EtcdError, EtcdProcess, die_with_parent, free_port
 from services.common.tls import TlsFiles
 
+ETCD = "etcd"  # the name etcd goes by among the restarts
 RESTART_BACKOFF_S = (1.0, 30.0)  # wait before restarting a crashed service: first, most (doubling)
 RESTART_RESET_S = 60.0  # a service that ran this long before crashing waits the first backoff again
 RestartPolicy = Literal["no", "on-failure"]
@@ -228,22 +230,34 @@ class _Restarts:
     started: dict[str, float] = field(default_factory=dict)  # name -> when it last started
 
     def crashed(self, child: Child) -> None:
-        now = time.monotonic()
-        last = self.delay.get(child.name)
-        ran = now - self.started.get(child.name, 0.0)
-        wait = RESTART_BACKOFF_S[0] if last is None or ran >= RESTART_RESET_S else min(2 * last, RESTART_BACKOFF_S[1])
-        self.delay[child.name] = wait
-        self.due[child.name] = now + wait
+        wait = self._schedule(child.name)
         assert child.proc is not None
         self.say(f"{child.name} exited with code {child.proc.returncode}; restarting it in {wait:g}s\n{child.tail()}")
+
+    def etcd_exited(self) -> None:
+        """etcd (ours, not an external endpoint) is gone: started again on its ports and data
+        directory, so every key and lease it had comes back; the services' etcd clients reconnect."""
+        self.say(f"etcd exited; restarting it in {self._schedule(ETCD):g}s")
+
+    def _schedule(self, name: str) -> float:
+        now = time.monotonic()
+        last = self.delay.get(name)
+        ran = now - self.started.get(name, 0.0)
+        wait = RESTART_BACKOFF_S[0] if last is None or ran >= RESTART_RESET_S else min(2 * last, RESTART_BACKOFF_S[1])
+        self.delay[name] = wait
+        self.due[name] = now + wait
+        return wait
 
     def run_due(self) -> None:
         now = time.monotonic()
         for name in [n for n, at in self.due.items() if at <= now]:
             del self.due[name]
+            self.started[name] = time.monotonic()
+            if name == ETCD:
+                self._start_etcd()
+                continue
             child = self.stack.child(name)
             child.pin_ports()
-            self.started[name] = time.monotonic()
             child.start(dict(os.environ, PYTHONUNBUFFERED="1"))
             try:
                 address = child.wait_ready(self.timeout_s)
@@ -253,13 +267,24 @@ class _Restarts:
                 continue  # dead now: the next poll schedules it again, with a longer backoff
             self.say(f"{name} restarted at {address}")
 
+    def _start_etcd(self) -> None:
+        etcd = self.stack.etcd
+        assert etcd is not None
+        try:
+            etcd.start()
+        except EtcdError as e:
+            self.say(f"etcd did not start again: {e}")  # not running: the next poll schedules it again
+            return
+        self.say(f"etcd restarted at {etcd.endpoint}")
+
 
 def supervise(
     stack: Stack, say: Callable[[str], None] = print, restart: RestartPolicy = "no", timeout_s: float = 120.0
 ) -> int:
     """Block until Ctrl-C / SIGTERM; then stop everything. A service that dies stops everything
     too, unless ``restart`` is ``on-failure`` and it crashed (exit code not 0): then it is started
-    again after a backoff (1 s, doubling to 30 s; back to 1 s after a minute up), at the same ports."""
+    again after a backoff (1 s, doubling to 30 s; back to 1 s after a minute up), at the same ports.
+    The etcd the stack started is watched the same way (any exit counts as a crash)."""
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -271,6 +296,12 @@ def supervise(
     code = 0
     try:
         while not stopping:
+            if stack.etcd is not None and not stack.etcd.running and ETCD not in restarts.due:
+                if restart == "no":
+                    say(f"etcd exited; stopping all services\n{stack.etcd.log_tail()}")
+                    code = 1
+                    break
+                restarts.etcd_exited()
             dead = next((c for c in stack.children if not c.alive() and c.name not in restarts.due), None)
             if dead is not None:
                 assert dead.proc is not None

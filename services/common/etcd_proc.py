@@ -153,14 +153,14 @@ class EtcdProcess:
                 code = self._proc.returncode
                 self._close_log()
                 self._proc = None
-                raise EtcdError(f"etcd exited with status {code} during start:\n{self._log_tail()}")
+                raise EtcdError(f"etcd exited with status {code} during start:\n{self.log_tail()}")
             if self._healthy():
                 log.info("etcd healthy endpoint=%s", self.endpoint)
                 return
             time.sleep(0.05)
         self.stop()
         raise EtcdError(
-            f"etcd on {self.endpoint} was not healthy within {timeout:.1f} s:\n{self._log_tail()}"
+            f"etcd on {self.endpoint} was not healthy within {timeout:.1f} s:\n{self.log_tail()}"
         )
 
     def _healthy(self) -> bool:
@@ -204,7 +204,7 @@ class EtcdProcess:
             self._log_file.close()
             self._log_file = None
 
-    def _log_tail(self) -> str:
+    def log_tail(self) -> str:
         try:
             data = self.log_path.read_bytes()
         except OSError:

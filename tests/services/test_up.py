@@ -92,7 +92,8 @@ def test_up_restart_on_failure_restarts_a_killed_service_and_its_streams_go_on(
 ) -> None:
     """``strata up --restart on-failure`` (issue #29): the scheduler, then the worker, SIGKILLed
     under 8 streams (greedy, seeded, grammar); each is started again at its address after a 1 s
-    backoff and every stream goes on with the tokens of an uninterrupted run."""
+    backoff and every stream goes on with the tokens of an uninterrupted run. Then etcd, SIGKILLed:
+    started again on its ports and data, and the stack serves on."""
     argv = [sys.executable, "-m", "services.cli", "up", "--model", str(tiny_qwen3), "--port", "0", "--http-port", "0",
             "--run-dir", str(tmp_path), "--example", "", "--no-metrics", "--restart", "on-failure"]  # fmt: skip
     up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
@@ -128,10 +129,18 @@ def test_up_restart_on_failure_restarts_a_killed_service_and_its_streams_go_on(
                 resumed = max(g.gap_after(killed[0]) for g in got if g.times[-1] > killed[0])
                 print(f"[up --restart on-failure] {name} SIGKILLed under 8 streams: every stream streaming "
                       f"again {resumed:.2f}s after the kill")
+            # etcd SIGKILLed: started again on its ports and data; the services keep serving.
+            etcd = next(p for p in psutil.Process(up.pid).children() if "--initial-cluster" in p.cmdline())
+            etcd.kill()
+            while not any(x.startswith("etcd restarted at") for x in lines):
+                assert time.monotonic() < deadline + 120 and up.poll() is None, "".join(lines)
+                time.sleep(0.1)
+            assert [g.ids for g in streams.run(api, reqs)] == want
         text = "".join(lines)
         for name in ("scheduler", "worker"):
             assert f"{name} exited with code -9; restarting it in 1s" in text, text
             assert re.search(rf"^{name} restarted at \S+", text, re.M), text
+        assert "etcd exited; restarting it in 1s" in text, text
         assert up.poll() is None  # still supervising
     finally:
         up.send_signal(signal.SIGINT)
