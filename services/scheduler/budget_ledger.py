@@ -5,8 +5,8 @@ Each member (a scheduler with elastic pools) publishes, under its own lease,
     /strata/v1/budgets/<name>/members/<member>  ->  {"claim", "held", "floor", "want", "min", "busy"}
 
 where ``claim`` is the bytes it may commit and ``held`` what it has committed (its worker's pool
-capacities as sent). Every ``period_s`` it reads all entries, computes its share with the same
-rule as ``orchestrator.SharedBudget`` (``split_shares``: floors, wants, the spare to busy members),
+capacities as sent). Every ``period_s`` it reads all entries, computes its share by
+``orchestrator.split_shares`` (floors, wants, the spare to busy members),
 and moves its claim towards that share: never below what it holds (a shrink is lazy; the claim
 follows once the worker has released), and otherwise never above ``total - Σ others' claims``. Every write
 is a compare-and-swap on ``/strata/v1/budgets/<name>/gen`` (bumped by each write), so two members

@@ -179,7 +179,7 @@ class Orchestrator:
         return self.bytes_of(ResizePlan(self._min_kv, self._min_m))
 
     def set_budget(self, budget_bytes: int) -> None:
-        """Change the budget (a ``SharedBudget`` does this); it must hold the minimum capacities."""
+        """Change the budget (to a shared budget's grant, ``budget_ledger``); it must hold the minimum capacities."""
         need = self._min_kv * self._kv_bytes + self._min_m * self._m_bytes
         if budget_bytes < need:
             raise ValueError(f"budget of {budget_bytes} bytes cannot hold the minimum capacities "
@@ -311,41 +311,6 @@ class Orchestrator:
         return None if t == self._current else t
 
 
-class SharedBudget:
-    """Splits one byte budget between several workers' orchestrators by demand.
-
-    Each member gets its floor, then its want (or a share of what is left in proportion to its
-    unmet want); the spare goes to busy members only, so idle members drift down to their
-    working set. A member's budget never exceeds ``total - what the others hold now``: a worker
-    grows only into bytes another has already released, so the committed sum never passes
-    ``total``, whatever order the workers apply their plans in.
-    """
-
-    __slots__ = ("members", "total_bytes")
-
-    def __init__(self, total_bytes: int, members: Sequence[Orchestrator]) -> None:
-        if not members:
-            raise ValueError("SharedBudget needs at least one member")
-        held = sum(m.bytes_of(m.current) for m in members)
-        if held > total_bytes:
-            raise ValueError(f"members already hold {held} bytes, over the shared total of {total_bytes}")
-        self.total_bytes = total_bytes
-        self.members = tuple(members)
-
-    def split(self, demands: Sequence[Demand]) -> tuple[int, ...]:
-        """Set and return every member's budget for these demands (one per member, in order)."""
-        if len(demands) != len(self.members):
-            raise ValueError(f"{len(demands)} demands for {len(self.members)} members")
-        shares = [
-            Share(m.bytes_of(m.floor(d)), m.bytes_of(m.want(d)), m.bytes_of(m.current), m.min_bytes, not m.is_idle(d))
-            for m, d in zip(self.members, demands, strict=True)
-        ]
-        budgets = split_shares(self.total_bytes, shares)
-        for m, b in zip(self.members, budgets, strict=True):
-            m.set_budget(b)
-        return tuple(budgets)
-
-
 @dataclass(frozen=True, slots=True)
 class Share:
     """One member of a shared budget, in bytes: what it cannot give up (``floor``), what would
@@ -359,9 +324,13 @@ class Share:
 
 
 def split_shares(total: int, shares: Sequence[Share]) -> list[int]:
-    """Budgets for ``shares`` out of ``total`` bytes (see ``SharedBudget``): floors, then wants (or
-    shares of the rest in proportion to unmet want), the spare to busy members; a member's budget
-    never exceeds ``total - what the others hold``, so growing only uses bytes already released."""
+    """One byte budget of ``total`` split between several workers by demand (``budget_ledger``).
+
+    Each member gets its floor, then its want (or a share of what is left in proportion to its
+    unmet want); the spare goes to busy members only, so idle members drift down to their working
+    set. A member's budget never exceeds ``total - what the others hold now``: a worker grows only
+    into bytes another has already released, so the committed sum never passes ``total``, whatever
+    order the workers apply their plans in."""
     floors = [s.floor for s in shares]
     wants = [s.want for s in shares]
     held = [s.held for s in shares]

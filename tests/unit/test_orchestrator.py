@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.orchestrator import Demand, Need, Orchestrator, ResizePlan, SharedBudget
+from services.scheduler.orchestrator import Demand, Need, Orchestrator, ResizePlan, Share, split_shares
 
 PAGE = 4096
 KV_SLOT = 1024      # 4 slots per page
@@ -297,14 +297,24 @@ def test_queue_demand_invariants(
         assert o.propose(d) is None  # stable: the same demand never asks for another change
 
 
+def split(total: int, members: list[Orchestrator], demands: list[Demand]) -> list[int]:
+    """One round of a budget shared by ``members`` (what each ``BudgetLedger`` computes): every
+    member's share by ``split_shares``, set as its budget."""
+    shares = [Share(o.bytes_of(o.floor(d)), o.bytes_of(o.want(d)), o.bytes_of(o.current), o.min_bytes, not o.is_idle(d))
+              for o, d in zip(members, demands, strict=True)]
+    budgets = split_shares(total, shares)
+    for o, b in zip(members, budgets, strict=True):
+        o.set_budget(b)
+    return budgets
+
+
 def test_shared_budget_follows_demand_between_two_workers() -> None:
     total = 64 * MIB
     a, b = make(budget=total), make(budget=total)
-    shared = SharedBudget(total, [a, b])
 
     def run(da: Demand, db: Demand, rounds: int = 3) -> None:
         for _ in range(rounds):  # a shrink acknowledged in one round frees bytes for the next
-            shared.split([da, db])
+            split(total, [a, b], [da, db])
             for o, d in ((a, da), (b, db)):
                 step(o, d)
                 assert a.bytes_of(a.current) + b.bytes_of(b.current) <= total
@@ -326,10 +336,9 @@ def test_shared_budget_follows_demand_between_two_workers() -> None:
 def test_shared_budget_never_grants_bytes_another_worker_still_holds() -> None:
     total = 32 * MIB
     a, b = make(budget=total), make(budget=total)
-    shared = SharedBudget(total, [a, b])
-    shared.split([busy(kv_wait=1_000_000), Demand(0, 0, 0, 0, 100.0)])
+    split(total, [a, b], [busy(kv_wait=1_000_000), Demand(0, 0, 0, 0, 100.0)])
     step(a, busy(kv_wait=1_000_000))
     held_a = a.bytes_of(a.current)
     # B becomes busy, but A has not released anything yet: B may only use what is free now.
-    budgets = shared.split([busy(kv_wait=1_000_000), busy(kv_wait=1_000_000)])
+    budgets = split(total, [a, b], [busy(kv_wait=1_000_000), busy(kv_wait=1_000_000)])
     assert budgets[1] <= total - held_a

@@ -20,8 +20,8 @@ is abandoned before it was ever sent.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Literal, Protocol
+from collections.abc import Callable
+from typing import Literal
 
 WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 StopPolicy = Literal["best_effort", "wait_complete", "timeout"]
@@ -31,23 +31,6 @@ STOP_POLICIES: tuple[StopPolicy, ...] = ("best_effort", "wait_complete", "timeou
 
 class DoubleAckError(ValueError):
     """A job (or a prefetch reservation) acknowledged twice, or one this cache never issued."""
-
-
-class HostAllocator(Protocol):
-    """The host (L2) page allocator the cache draws from; `HostPageAllocator` is one.
-
-    `alloc(n)` returns n page ids or None (nothing taken); `free` raises on a page that is not
-    allocated. `available + the cache's host pages == num_pages` when the cache is its only user.
-    """
-
-    num_pages: int
-
-    @property
-    def available(self) -> int: ...
-
-    def alloc(self, n: int) -> list[int] | None: ...
-
-    def free(self, pages: Sequence[int]) -> None: ...
 
 
 def should_prefetch(l3_hit_pages: int, device_hit_pages: int, threshold_pages: int) -> bool:

@@ -9,29 +9,19 @@ checked in tests and whenever the server is idle:
 
 (`shrink_pending` is 0 unless a lazy shrink waits for held slots at or above `size`.)
 
-Sizing (see `min_mamba_slots`): at its peak one running request holds three slots at once.
+Sizing: at its peak one running request pins ``STATES_PER_ROW`` (``services.common.step``) slots
+at once: its own working state, which its forward passes update in place; the cached state it
+matched, locked until its copy-on-write into the first has run; and a fork of the first it has
+allocated to donate to the tree as a checkpoint, before insert takes it. The worker's pool is
+``STATES_PER_ROW * max_rows`` unless told otherwise (``EngineConfig``); a larger one's surplus is
+what the cache can keep.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.common.step import STATES_PER_ROW
 from services.scheduler.memory.allocator import DoubleFreeError, _PageBitmap
-
-# The most state slots one running request can pin at the same moment (``STATES_PER_ROW``):
-#   1. its own working state, which its forward passes update in place;
-#   2. the cached state it matched, locked until its copy-on-write into (1) has run;
-#   3. a fork of (1) it has allocated to donate to the tree as a checkpoint, before insert takes it.
-
-
-def min_mamba_slots(max_running_requests: int) -> int:
-    """The smallest pool with which `max_running_requests` can never deadlock on Mamba slots, even
-    when every cached state is locked. Size the real pool as max(this, what memory allows): the
-    surplus is what the cache can keep."""
-    if max_running_requests < 0:
-        raise ValueError(f"max_running_requests must be >= 0, got {max_running_requests}")
-    return STATES_PER_ROW * max_running_requests
 
 
 class MambaSlotAllocator:
@@ -100,4 +90,4 @@ class MambaSlotAllocator:
         self._slots.give_back(slots)
 
 
-__all__ = ["DoubleFreeError", "MambaSlotAllocator", "min_mamba_slots"]
+__all__ = ["DoubleFreeError", "MambaSlotAllocator"]

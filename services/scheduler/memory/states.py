@@ -114,10 +114,6 @@ class StateTrack:
             got = self.pool.alloc()
         return got
 
-    def available(self) -> int:
-        """State slots a new request could get: free now plus cached and unlocked."""
-        return self.pool.available + (self.tree.state_evictable if self.tree is not None else 0)
-
     # -- planning -------------------------------------------------------------------------------
     def planned(self, req: Req, end: int) -> Fork | None:
         """``req``'s input in the step being planned brings its working state to ``end``: fork it
@@ -151,10 +147,6 @@ class StateTrack:
         if self.tree is not None and req.mamba_slot is not None and MambaCopy(req.mamba_slot, fork.slot) in self.head:
             self.tree.lock(req.lock)
             self.unsent.append(req.lock)
-
-    @property
-    def has_ops(self) -> bool:
-        return bool(self.head or self.ops)
 
     # -- release --------------------------------------------------------------------------------
     def release(self, req: Req, donated: bool) -> None:
