@@ -128,11 +128,15 @@ class MtpDrafter:
         start: list[int] = []
         ids: list[list[int]] = []
         slots: list[list[int]] = []
-        src: list[int] = []  # each entry's hidden state: a row of cat(self._hidden, hidden)
+        # Each entry's hidden state: a pending one (entry index, row) or one of the step's (entry
+        # index, index in ``hidden``).
+        lead_at: list[int] = []
+        lead_rows: list[int] = []
+        step_at: list[int] = []
+        step_src: list[int] = []
         last: list[int] = []  # each request's last kept position, in hidden
         host = self.req_to_token.host
-        base = self._hidden.shape[0]
-        cu = 0
+        cu = total = 0
         for b, r in enumerate(reqs):
             s, x, n = inp.start_pos[b], inp.input_ids[b], len(inp.input_ids[b])
             # A verify keeps its input and accepted drafts; without sampling (forward_logits) all.
@@ -143,13 +147,22 @@ class MtpDrafter:
                 start.append(s - 1 if lead else s)
                 ids.append(x[1 - lead : valid])
                 slots.append(([int(host[r.row, s - 1])] if lead else []) + inp.out_slots[b][: valid - 1])
-                src += ([r.row] if lead else []) + list(range(base + cu, base + cu + valid - 1))
+                if lead:
+                    lead_at.append(total)
+                    lead_rows.append(r.row)
+                step_at += range(total + lead, total + lead + valid - 1)
+                step_src += range(cu, cu + valid - 1)
+                total += valid - 1 + lead
             self._pos[r.row] = s + valid - 1
             last.append(cu + valid - 1)
             cu += n
-        h = torch.cat((self._hidden, hidden))[int64_tensor(src, self.device)] if rows else None  # before ...
+        h = hidden.new_empty((total, hidden.shape[1]))
+        if lead_at:  # read before the pending states are overwritten below
+            h[int64_tensor(lead_at, self.device)] = self._hidden[int64_tensor(lead_rows, self.device)]
+        if step_at:
+            h[int64_tensor(step_at, self.device)] = hidden[int64_tensor(step_src, self.device)]
         self._hidden[int64_tensor([r.row for r in reqs], self.device)] = hidden[int64_tensor(last, self.device)]
-        if h is not None:  # ... the pending states are overwritten
+        if rows:
             self._forward(_Entries(rows, start, ids, slots, h), want=0)
 
     def _forward(self, e: _Entries, want: int) -> tuple[list[int], torch.Tensor]:
