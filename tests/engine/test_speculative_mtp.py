@@ -26,8 +26,9 @@ from tests.reference import hf_greedy
 MTP = SpecConfig("mtp", num_draft_tokens=3, max_batch=64, min_accepted=0)  # never backs off
 
 
-def _engine(model: Path, kv_bytes: int = 1 << 22) -> h.Engine:
-    return h.Engine(model, h.EngineConfig(device=h.TEST_DEVICE, kv_cache_bytes=kv_bytes, max_rows=8, mtp=True))
+def _engine(model: Path, kv_bytes: int = 1 << 22, page_size: int = 1) -> h.Engine:
+    cfg = h.EngineConfig(device=h.TEST_DEVICE, kv_cache_bytes=kv_bytes, max_rows=8, page_size=page_size, mtp=True)
+    return h.Engine(model, cfg)
 
 
 def _prompts(vocab: int, seed: int, n: int = 4) -> list[list[int]]:
@@ -40,11 +41,12 @@ def _books(loop: SchedulerLoop) -> None:
     loop.batcher.mem.check_idle()
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_mtp_output_equals_transformers(tiny_qwen3_next: Path, overlap: bool) -> None:
+@pytest.mark.parametrize(("overlap", "page_size"), [(True, 1), (False, 1), (True, 4)])
+def test_mtp_output_equals_transformers(tiny_qwen3_next: Path, overlap: bool, page_size: int) -> None:
     """Random MTP weights: most drafts are rejected, so the hybrid target's states roll back at
-    nearly every verify; chunked prefill (16-token chunks), a second wave on cached prefixes."""
-    eng = _engine(tiny_qwen3_next)
+    nearly every verify; chunked prefill (16-token chunks), a second wave on cached prefixes,
+    pages of one and of four slots."""
+    eng = _engine(tiny_qwen3_next, page_size=page_size)
     assert eng.info.draft_model == "mtp"
     prompts = _prompts(eng.info.vocab_size, seed=3)
     want = [hf_greedy(tiny_qwen3_next, p, 12, stop_at_eos=False) for p in prompts]
