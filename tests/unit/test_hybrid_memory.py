@@ -95,9 +95,10 @@ def _workload(rng: random.Random, n: int) -> list[Req]:
     return reqs
 
 
-def _drive(seed: int, overlap: bool, num_slots: int, num_states: int, rows: int, page: int) -> Memory:
+def _drive(seed: int, overlap: bool, num_slots: int, num_states: int, rows: int, page: int,
+           cache: str = "radix") -> Memory:
     rng = random.Random(seed)
-    cfg = MemoryConfig(state_policy=rng.choice(["lru", "marconi"]), checkpoint_every=rng.choice([4, 8]))
+    cfg = MemoryConfig(cache=cache, state_policy=rng.choice(["lru", "marconi"]), checkpoint_every=rng.choice([4, 8]))
     mem = device_memory(num_slots, rows, page, cfg, num_states=num_states)
     batcher = Batcher(mem, BatchLimits(max_prefill_tokens=rng.choice([3, 8, 64]), max_running=rows),
                       frozenset({EOS}), context_length=256)
@@ -133,6 +134,16 @@ def test_states_follow_their_tokens_under_random_load(seed: int) -> None:
     overlap = seed % 2 == 0
     page = 1 if seed % 3 else 2
     _drive(seed, overlap, num_slots=96, num_states=4 + seed % 6, rows=4, page=page)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_states_follow_their_tokens_with_the_cache_off(seed: int) -> None:
+    """Cache off (a tree that keeps nothing): every request starts from a zeroed state, no fork,
+    no copy, nothing cached, and the books balance."""
+    mem = _drive(seed, seed % 2 == 0, num_slots=96, num_states=4, rows=4, page=1 + seed % 2, cache="none")
+    c = _sc(mem)
+    assert (c.cow_copy, c.fork, c.donated, c.evicted) == (0, 0, 0, 0)
+    assert mem.tree.total_size() == 0 and mem.states is not None and mem.states.owners()["cache"] == 0
 
 
 def test_random_load_exercises_every_path() -> None:

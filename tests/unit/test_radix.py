@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from services.scheduler.memory.allocator import SlotAllocator
-from services.scheduler.memory.base import CacheEvent, CacheHandle, CacheKey, NoCache, PrefixCache
-from services.scheduler.memory.tree import EvictionPolicy, PrefixTree
+from services.scheduler.memory.base import CacheEvent, CacheHandle, CacheKey
+from services.scheduler.memory.state_alloc import MambaSlotAllocator
+from services.scheduler.memory.tree import EvictionPolicy, InsertResult, PrefixTree
 from services.scheduler.memory.tree_util import common_prefix as _common_prefix
 
 SIZE = 64
@@ -258,19 +259,33 @@ def test_events_describe_inserted_and_evicted_segments() -> None:
     ]
 
 
-def test_no_cache_keeps_nothing_and_frees_what_it_is_given() -> None:
+def test_cache_off_keeps_nothing_and_frees_what_it_is_given() -> None:
     alloc = SlotAllocator(16, page_size=4)
-    cache: PrefixCache = NoCache(4, alloc.free)
+    cache = PrefixTree(4, alloc.free, keep=False)
     own = alloc.alloc(6)
     assert own is not None
     assert cache.insert(CacheKey([1, 2, 3, 4, 5, 6]), own[:6]) == 0
     alloc.free(own[4:])  # the partial page stays the caller's
     assert alloc.available == 16
-    m = cache.match_prefix(CacheKey([1, 2, 3, 4]))
-    assert m.slots == []
+    m = cache.match(CacheKey([1, 2, 3, 4]))
+    assert m.slots == [] and m.state is None and m.kv_len == 0
     cache.lock(m.node)
     cache.unlock(m.node)
     assert cache.evict(10) == 0 and cache.total_size() == 0
+    cache.sanity_check()
+    with pytest.raises(ValueError):
+        cache.insert(CacheKey([1, 2, 3, 4]), [0, 1])
+
+
+def test_cache_off_with_states_frees_a_state_it_is_given() -> None:
+    alloc, states = SlotAllocator(16, page_size=4), MambaSlotAllocator(2)
+    cache = PrefixTree(4, alloc.free, states.free_many, keep=False)
+    own, state = alloc.alloc(8), states.alloc()
+    assert own is not None and state is not None
+    res = cache.insert_checkpoint(CacheKey(list(range(8))), own, state)
+    assert res == InsertResult(0, False)
+    assert alloc.available == 16 and states.available == 2
+    assert cache.state_evictable == cache.state_protected == 0
 
 
 def test_long_prefix_match_and_split() -> None:

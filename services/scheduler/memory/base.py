@@ -1,4 +1,4 @@
-"""The prefix-cache interface the scheduler programs against, and the cache-off implementation.
+"""The prefix-cache interface the scheduler programs against (``tree.PrefixTree`` implements it).
 
 Ownership of KV slots, the one thing every implementation must get right:
 
@@ -126,44 +126,3 @@ class PrefixCache(ABC):
     @abstractmethod
     def sanity_check(self) -> None:
         """Raise AssertionError if an internal invariant is broken (cheap enough for tests/idle)."""
-
-
-class _NoCacheHandle(CacheHandle):
-    __slots__ = ()
-
-
-class NoCache(PrefixCache):
-    """Cache off: nothing matches, and insert frees what it would have cached."""
-
-    _HANDLE = _NoCacheHandle()
-
-    def match_prefix(self, key: CacheKey) -> MatchResult:
-        return MatchResult([], self._HANDLE)
-
-    def insert(self, key: CacheKey, slots: Sequence[int]) -> int:
-        if len(slots) != len(key.tokens):
-            raise ValueError(f"insert: {len(slots)} slots for {len(key.tokens)} tokens")
-        aligned = self.aligned_len(len(key.tokens))
-        if aligned:
-            self._free_slots(list(slots[:aligned]))
-        return 0
-
-    def lock(self, node: CacheHandle) -> None:
-        pass
-
-    def unlock(self, node: CacheHandle) -> None:
-        pass
-
-    def evict(self, n: int) -> int:
-        return 0
-
-    @property
-    def evictable_size(self) -> int:
-        return 0
-
-    @property
-    def protected_size(self) -> int:
-        return 0
-
-    def sanity_check(self) -> None:
-        pass  # holds nothing, so nothing can be inconsistent

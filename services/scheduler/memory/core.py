@@ -4,8 +4,8 @@
 It composes:
 
 - **slots and rows** (``SlotAllocator``, ``RowAllocator``): always;
-- **the prefix tree** (``cache.tree.PrefixTree``; ``NoCache`` with the cache off): token prefixes to
-  KV slots, and to states when the model has recurrent layers;
+- **the prefix tree** (``tree.PrefixTree``; one that keeps nothing with the cache off): token
+  prefixes to KV slots, and to states when the model has recurrent layers;
 - **a state track** (``states.StateTrack``) when the worker has a state pool: working states,
   copy-on-write, checkpoint forks, donation;
 - **a host tier** (``host.HostTier``) when the worker has a host pool: host pages (and states),
@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 
 from services.common.step import CacheOp, JobResult, ReleaseRow
 from services.scheduler.memory.allocator import RowAllocator, SlotAllocator
-from services.scheduler.memory.base import CacheKey, EventSink, NoCache, PrefixCache
+from services.scheduler.memory.base import CacheKey, EventSink
 from services.scheduler.memory.host import HostTier, match_key
 from services.scheduler.memory.ops import step_ops
 from services.scheduler.memory.states import StateTrack
@@ -63,21 +63,19 @@ class Memory:
     """Slots, rows, the prefix tree and the optional state track and host tier of one worker."""
 
     def __init__(
-        self, slots: SlotAllocator, rows: RowAllocator, tree: PrefixCache,
+        self, slots: SlotAllocator, rows: RowAllocator, tree: PrefixTree,
         states: StateTrack | None = None, host: HostTier | None = None,
     ) -> None:
-        if states is not None and not isinstance(tree, PrefixTree | NoCache):
-            raise ValueError("a state track needs the prefix tree")
         self.slots, self.rows, self.tree, self.states, self.host = slots, rows, tree, states, host
         self.page_size = slots.page_size
-        self.caching = not isinstance(tree, NoCache)
+        self.caching = tree.keep
         self.evicted = 0  # slots evicted from the tree so far
         self._released_rows: list[CacheOp] = []
 
     def follow(self, on_tree: EventSink | None, on_host_page: Callable[[bytes, bool], None] | None) -> bool:
         """Report what the cache gains and loses: the tree's insert and evict events and the host
         pool's pages by key (for WatchCache). False with the cache off (nothing to report)."""
-        if not isinstance(self.tree, PrefixTree):
+        if not self.caching:
             return False
         self.tree.on_event = on_tree
         if self.host is not None:
@@ -109,13 +107,8 @@ class Memory:
         return n
 
     def _match_device(self, req: Req, key: CacheKey) -> int:
-        if isinstance(self.tree, PrefixTree):
-            m = self.tree.match(key)
-            req.branch_len, req.matched_state = m.kv_len, m.state
-        else:
-            m0 = self.tree.match_prefix(key)
-            req.branch_len, req.matched_state = 0, None
-            m = m0  # type: ignore[assignment]
+        m = self.tree.match(key)
+        req.branch_len, req.matched_state = m.kv_len, m.state
         n = len(m.slots)
         if n:
             self.tree.lock(m.node)
@@ -264,7 +257,7 @@ class Memory:
         if fork not in req.forks:  # released (finished, aborted, retracted) meanwhile: slot freed
             return
         req.forks.remove(fork)
-        assert self.states is not None and isinstance(self.tree, PrefixTree)
+        assert self.states is not None
         if fork.pos <= req.cache_len:  # already cached up to here (a deeper node is locked): surplus
             self.states.pool.free(fork.slot)
             return
@@ -316,15 +309,11 @@ class Memory:
         to_free = req.slots[m:]
         if aligned > m and self.caching:
             key = CacheKey(req.seq[:aligned], req.cache_salt)
-            taken = False
-            if isinstance(self.tree, PrefixTree):
-                # Ownership of a donated state passes to the tree whether it keeps it or not.
-                res = self.tree.insert_checkpoint(key, req.slots[:aligned], own if donate else None)
-                cached, taken = res.cached_len, res.state_taken
-                if taken and self.states is not None:
-                    self.states.counters.donated += 1
-            else:
-                cached = self.tree.insert(key, req.slots[:aligned])
+            # Ownership of a donated state passes to the tree whether it keeps it or not.
+            res = self.tree.insert_checkpoint(key, req.slots[:aligned], own if donate else None)
+            cached, taken = res.cached_len, res.state_taken
+            if taken and self.states is not None:
+                self.states.counters.donated += 1
             # [m, cached) duplicate what the tree already holds; [cached, aligned) now belong to it.
             to_free = req.slots[m:cached] + req.slots[aligned:]
             if self.host is not None and (self.states is None or taken):

@@ -1,7 +1,7 @@
 """One factory: the worker's pools (``WorkerInfo``) and the scheduler's settings make one ``Memory``.
 
     worker has           composed
-    (always)             slots, rows, the prefix tree (NoCache with --cache none)
+    (always)             slots, rows, the prefix tree (one that keeps nothing with --cache none)
     a state pool         + StateTrack; the tree carries states
     a host pool          + HostTier (host pages, and host states with a state track); the tree is
                          then paged in host pages
@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from services.common.page_hash import HashNamespace
 from services.common.step import WorkerInfo
 from services.scheduler.memory.allocator import RowAllocator, SlotAllocator
-from services.scheduler.memory.base import NoCache, PrefixCache
 from services.scheduler.memory.core import Memory
 from services.scheduler.memory.host import HiConfig
 from services.scheduler.memory.host_tier import HostTier
@@ -45,7 +44,6 @@ def build_memory(info: WorkerInfo, cfg: MemoryConfig) -> Memory:
     tree_page = info.host_page_tokens if host else 0
     mem = device_memory(info.num_slots, info.num_rows, info.page_size, cfg, num_states=num_states, tree_page=tree_page)
     if host:
-        assert isinstance(mem.tree, PrefixTree)
         mem.host = HostTier(
             mem.tree, mem.states, host_pages=info.host_pages, host_states=info.host_states,
             namespace=HashNamespace(info.fingerprint, info.kv_layout), state_layout=info.state_layout, l3=info.l3,
@@ -65,9 +63,8 @@ def device_memory(
         raise ValueError(f"tree_page ({tree_page}) must be a multiple of page_size ({page_size})")
     slots = SlotAllocator(num_slots, page_size)
     states = StateTrack(num_states, None, tree_page, cfg.checkpoint_every) if num_states else None
-    tree: PrefixCache
     if cfg.cache != "radix":
-        tree = NoCache(tree_page, slots.free)
+        tree = PrefixTree(tree_page, slots.free, keep=False)
     elif states is not None:
         tree = states.tree = PrefixTree(
             tree_page, slots.free, states.pool.free_many, eviction=_eviction(cfg),

@@ -33,6 +33,10 @@ on ties) or least frequently hit first ("lfu", LRU on ties); states go by ``stat
 or "marconi", see ``state_policy``). Hot path: a child is found by one dict lookup on its first page
 and an edge is compared with array slice equality (a C memcmp; see ``tree_util``).
 
+**Cache off** (``keep=False``) is the same tree kept empty: a match finds nothing, and an insert
+frees at once the whole pages (and the state) it would have cached and returns 0, so nothing ever
+becomes evictable or protected and every caller's share of the slots is what it is with the cache on.
+
 A node keeps its identity across splits as the *deeper* half: a handle always names the node that
 ends where its match ended. Not thread-safe: the scheduler's loop is the only caller.
 """
@@ -84,6 +88,7 @@ class PrefixTree(PrefixCache):
         state_policy: StatePolicy = "lru",
         marconi_alpha: float = DEFAULT_MARCONI_ALPHA,
         on_event: EventSink | None = None,
+        keep: bool = True,
     ) -> None:
         super().__init__(page_size, free_slots)
         if eviction not in ("lru", "lfu"):
@@ -96,6 +101,7 @@ class PrefixTree(PrefixCache):
         self.state_policy: StatePolicy = state_policy
         self.marconi_alpha = marconi_alpha
         self.has_states = free_states is not None
+        self.keep = keep  # False: cache off (see the module docstring)
         self._free_states = free_states
         self.on_event = on_event
         self._roots: dict[str, TreeNode] = {}
@@ -191,11 +197,15 @@ class PrefixTree(PrefixCache):
     def insert_checkpoint(self, key: CacheKey, slots: Sequence[int], state: int | None) -> InsertResult:
         """Insert the KV of `key` (and, with states, the state after its last token, which the
         caller owned: ownership passes to the tree whatever the outcome, see InsertResult)."""
-        tokens = as_array(key.tokens)
-        if len(slots) != len(tokens):
-            raise ValueError(f"insert: {len(slots)} slots for {len(tokens)} tokens")
+        if len(slots) != len(key.tokens):
+            raise ValueError(f"insert: {len(slots)} slots for {len(key.tokens)} tokens")
         if state is not None and not self.has_states:
             raise ValueError("insert: a state slot for a tree without states")
+        if not self.keep:  # cache off: keep nothing, free what would have been cached
+            n = self.aligned_len(len(slots))
+            tree_evict.release(self, owned(slots[:n]) if n else [], [] if state is None else [state])
+            return InsertResult(0, False)
+        tokens = as_array(key.tokens)
         n = self.aligned_len(len(tokens))
         # A state describes the position after the key's last token: only a node end can hold it.
         attach = not self.has_states or (state is not None and n == len(tokens) and n > 0)
