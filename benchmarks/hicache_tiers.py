@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from services.scheduler.loop import LoopConfig, SchedulerLoop
-from services.scheduler.memory.host_tier import HostTier
+from services.scheduler.memory.host_tier import HostTierPlanner
 from services.scheduler.request import Event, Req
 from services.scheduler.worker_link import InProcessWorkerLink
 
@@ -56,7 +56,7 @@ class Tiers:
         assert engine.host is not None, "the worker needs a host pool"
         self.host = engine.host
         b = loop.batcher
-        assert b is not None and isinstance(b.mem.host, HostTier), "a memory with a host tier"
+        assert b is not None and isinstance(b.mem.host, HostTierPlanner), "a memory with a host tier"
         self.mem, self.tier, self.tree = b.mem, b.mem.host, b.mem.host.tree
         self.hybrid = b.mem.states is not None
         assert not self.hybrid or (engine.mamba is not None and self.host.states is not None)

@@ -66,7 +66,7 @@ from services.worker.draft import Drafter, DraftModel
 from services.worker.engine_config import DTYPES, EngineConfig
 from services.worker.host_cache import HostPool
 from services.worker.host_malloc import keep_large_blocks_on_heap
-from services.worker.host_ops import HostTier, L3Port
+from services.worker.host_ops import HostOpRunner, L3Port
 from services.worker.host_states import HostStatePool
 from services.worker.kv_budget import auto_kv_bytes
 from services.worker.loader import fingerprint, load_model
@@ -135,7 +135,7 @@ class Engine:
             from services.worker.mamba_pool import MambaPool as Pool  # only hybrid models need it
 
             self.mamba = Pool(cfg.initial_mamba_slots, spec, device, max_slots=mamba_max or None, backing=backing)
-        self.host: HostTier | None = None
+        self.host: HostOpRunner | None = None
         if cfg.host_cache_bytes:
             self.host = _host_tier(cfg, model, self.mamba, dtype, device, l3, tp)
         elif l3 is not None:
@@ -526,7 +526,7 @@ class _HiddenLM(Protocol):
 def _host_tier(
     cfg: EngineConfig, model: CausalLM, mamba: MambaPool | None, dtype: torch.dtype, device: torch.device,
     l3: L3Port | None, tp: Tp,
-) -> HostTier:
+) -> HostOpRunner:
     """The host pools for ``cfg.host_cache_bytes``: all KV pages on a dense model; on a hybrid one
     ``host_state_share`` of the bytes for Mamba states (a state-first ``HostStatePool``) and the
     rest for KV pages."""
@@ -547,7 +547,7 @@ def _host_tier(
             f"bytes to KV pages and {state_bytes} to Mamba states: {e}; raise host_cache_bytes or move "
             "host_state_share"
         ) from e
-    return HostTier(pool, l3, states=states, tp_rank=tp.rank, tp_size=tp.size)
+    return HostOpRunner(pool, l3, states=states, tp_rank=tp.rank, tp_size=tp.size)
 
 
 def _drafts(r: ReqInput) -> list[int]:

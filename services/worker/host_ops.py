@@ -4,7 +4,7 @@
 op order, before the step's forward; ``StateBackup`` / ``StateLoad`` do the same between the
 device Mamba pool and the host state pool (hybrid models). ``L3Put`` / ``L3Get`` start in op order
 on the kvstore port (the worker's event loop talks to the shards) and run while the forward does;
-``HostTier.finish`` waits for them (bounded by ``timeout_s``), writes fetched pages (or states,
+``HostOpRunner.finish`` waits for them (bounded by ``timeout_s``), writes fetched pages (or states,
 ``states=True``) into the host pools and returns one ``JobResult`` per host op, in op order, for
 the step's result. A put's bytes are copied when the op runs, so the transfer never reads host
 memory a later op may change.
@@ -135,7 +135,7 @@ def _indices(values: Sequence[int], size: int, field: str, what: str, note: str 
         raise StepError(f"{field}: {what} {bad} outside [0, {size}){note}")
 
 
-class HostTier:
+class HostOpRunner:
     """The host pools plus the kvstore port; runs a step's host ops and collects their results.
 
     ``states``: the host state pool of a hybrid model (None on dense models: state ops and

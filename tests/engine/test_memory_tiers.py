@@ -29,7 +29,7 @@ from services.scheduler.l3_lookup import leading_pages
 from services.scheduler.loop import LoopConfig, SchedulerLoop
 from services.scheduler.memory import HiConfig, Memory
 from services.scheduler.memory.host_policy import StopPolicy, WritePolicy
-from services.scheduler.memory.host_tier import HostTier
+from services.scheduler.memory.host_tier import HostTierPlanner
 from services.scheduler.speculative import SpecConfig, Speculator
 from services.worker.engine import Engine, EngineConfig
 from services.worker.l3_port import KVStorePort
@@ -66,9 +66,9 @@ def _mem(loop: SchedulerLoop) -> Memory:
     return loop.batcher.mem
 
 
-def _tier(loop: SchedulerLoop) -> HostTier:
+def _tier(loop: SchedulerLoop) -> HostTierPlanner:
     host = _mem(loop).host
-    assert isinstance(host, HostTier)
+    assert isinstance(host, HostTierPlanner)
     return host
 
 

@@ -8,7 +8,7 @@ It composes:
   prefixes to KV slots, and to states when the model has recurrent layers;
 - **a state track** (``states.StateTrack``) when the worker has a state pool: working states,
   copy-on-write, checkpoint forks, donation;
-- **a host tier** (``host.HostTier``) when the worker has a host pool: host pages (and states),
+- **a host tier** (``host_tier.HostTierPlanner``) when the worker has a host pool: host pages (and states),
   loads at admission, backups and L3 puts by the write policy, L3 prefetch by the stop policy.
 
 The life of a request's memory, one verb per point (the batcher calls them in this order):
@@ -40,7 +40,8 @@ from dataclasses import asdict, dataclass
 from services.common.step import CacheOp, JobResult, ReleaseRow
 from services.scheduler.memory.allocator import RowAllocator, SlotAllocator
 from services.scheduler.memory.base import CacheKey, EventSink
-from services.scheduler.memory.host import HostTier, match_key
+from services.scheduler.memory.host import match_key
+from services.scheduler.memory.host_tier import HostTierPlanner
 from services.scheduler.memory.ops import step_ops
 from services.scheduler.memory.states import StateTrack
 from services.scheduler.memory.tree import PrefixTree
@@ -64,7 +65,7 @@ class Memory:
 
     def __init__(
         self, slots: SlotAllocator, rows: RowAllocator, tree: PrefixTree,
-        states: StateTrack | None = None, host: HostTier | None = None,
+        states: StateTrack | None = None, host: HostTierPlanner | None = None,
     ) -> None:
         self.slots, self.rows, self.tree, self.states, self.host = slots, rows, tree, states, host
         self.page_size = slots.page_size

@@ -3,7 +3,7 @@
     worker has           composed
     (always)             slots, rows, the prefix tree (one that keeps nothing with --cache none)
     a state pool         + StateTrack; the tree carries states
-    a host pool          + HostTier (host pages, and host states with a state track); the tree is
+    a host pool          + HostTierPlanner (host pages, and host states with a state track); the tree is
                          then paged in host pages
 """
 
@@ -16,7 +16,7 @@ from services.common.step import WorkerInfo
 from services.scheduler.memory.allocator import RowAllocator, SlotAllocator
 from services.scheduler.memory.core import Memory
 from services.scheduler.memory.host import HiConfig
-from services.scheduler.memory.host_tier import HostTier
+from services.scheduler.memory.host_tier import HostTierPlanner
 from services.scheduler.memory.states import StateTrack
 from services.scheduler.memory.tree import EvictionPolicy, PrefixTree
 
@@ -44,7 +44,7 @@ def build_memory(info: WorkerInfo, cfg: MemoryConfig) -> Memory:
     tree_page = info.host_page_tokens if host else 0
     mem = device_memory(info.num_slots, info.num_rows, info.page_size, cfg, num_states=num_states, tree_page=tree_page)
     if host:
-        mem.host = HostTier(
+        mem.host = HostTierPlanner(
             mem.tree, mem.states, host_pages=info.host_pages, host_states=info.host_states,
             namespace=HashNamespace(info.fingerprint, info.kv_layout), state_layout=info.state_layout, l3=info.l3,
             cfg=cfg.hicache, alloc=mem.alloc, free_pages=mem.free_pages,

@@ -1,4 +1,5 @@
-"""The host tier's interface inside ``Memory``, its settings and what its implementations share.
+"""The host tier inside ``Memory`` (``host_tier.HostTierPlanner``): what it does, its settings, its
+counters and the helpers it shares with ``Memory``.
 
 A host tier is composed into ``Memory`` when the worker has a host pool (L2, and the kvstore L3
 behind it). It moves no bytes: it plans ``HostLoad`` / ``HostBackup`` / ``L3Put`` / ``L3Get`` (and
@@ -21,9 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
-from services.common.step import CacheOp, JobResult
 from services.scheduler.memory.base import CacheKey
 from services.scheduler.memory.host_policy import PrefetchTracker, StopPolicy, WritePolicy
 from services.scheduler.request import Req
@@ -58,68 +57,6 @@ class HiCounters:
     state_puts: int = 0
     states_prefetched: int = 0
     refused: int = 0  # backups / puts / prefetches skipped: in-flight bound or no host room
-
-
-class HostTier(Protocol):
-    counters: HiCounters
-
-    def extend_match(self, req: Req, key: CacheKey, n: int) -> int:
-        """``req`` holds a locked device match of ``n`` tokens of ``key``: extend it with what the
-        host holds (loads planned, the tree and the lock updated); returns the new length."""
-        ...
-
-    def prefix_len(self, key: CacheKey) -> int:
-        """Tokens of ``key`` usable now (device and host), changing nothing."""
-        ...
-
-    def hold(self, req: Req) -> bool:
-        """Whether ``req`` should wait for its L3 prefetch (starting one when it pays)."""
-        ...
-
-    def in_l3(self, key: CacheKey) -> bool:
-        """Whether ``key``'s whole pages are as far in L3 as they will get: all acknowledged
-        there, or no job left that could add one (no L3, a refused backup, evicted pages)."""
-        ...
-
-    def cached(self, key: CacheKey) -> None:
-        """``key``'s whole pages (and, with states, the state after them) just entered the tree."""
-        ...
-
-    def evict_device(self, n: int) -> int:
-        """Free about ``n`` device slots (the write policy may back them up first); returns the
-        slots freed now."""
-        ...
-
-    def take_ops(self) -> tuple[list[CacheOp], list[CacheOp]]:
-        """The host and L3 ops for the step being planned: (copies of what was just evicted, to
-        run first in the step; the rest)."""
-        ...
-
-    def on_results(self, results: list[JobResult]) -> None:
-        """Acknowledge the jobs of a committed step."""
-        ...
-
-    @property
-    def memory_pending(self) -> bool:
-        """Memory will come free without any request finishing (jobs in flight or queued)."""
-        ...
-
-    @property
-    def inflight(self) -> int:
-        """Jobs sent and not yet acknowledged."""
-        ...
-
-    def host_pages(self) -> dict[str, int]:
-        """Host pool pages by state: free, evictable, protected."""
-        ...
-
-    def follow_pages(self, on_change: Callable[[bytes, bool], None] | None) -> None:
-        """Report each KV page key the host pool gains (True) or loses (False)."""
-        ...
-
-    def check_idle(self) -> None:
-        """The host pools' books balance (raises AssertionError)."""
-        ...
 
 
 def wait_for_prefetch(req: Req, start: Callable[[Req, float], PrefetchTracker | None]) -> bool:

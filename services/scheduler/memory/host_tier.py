@@ -53,7 +53,11 @@ from services.scheduler.memory.tree import PrefixTree
 from services.scheduler.request import Req
 
 
-class HostTier:
+class HostTierPlanner:
+    """The scheduler's side of the host tier (see the module docstring): the host indexes, the
+    write and prefetch policies, and the host / L3 ops they plan for the worker (``HostOpRunner``)
+    to run. Only ``Memory`` calls it."""
+
     def __init__(
         self, tree: PrefixTree, states: StateTrack | None, *, host_pages: int, host_states: int,
         namespace: HashNamespace, state_layout: str, l3: bool, cfg: HiConfig,
@@ -88,6 +92,7 @@ class HostTier:
             tree.on_remove = lambda *node: host_writes.evicted(self, *node)
 
     def follow_pages(self, on_change: Callable[[bytes, bool], None] | None) -> None:
+        """Report each KV page key the host pool gains (True) or loses (False)."""
         self.kv_host.on_change = on_change
 
     # -- keys -----------------------------------------------------------------------------------
@@ -116,6 +121,8 @@ class HostTier:
 
     # -- admission ------------------------------------------------------------------------------
     def extend_match(self, req: Req, key: CacheKey, n: int) -> int:
+        """``req`` holds a locked device match of ``n`` tokens of ``key``: extend it with what the
+        host holds (loads planned, the tree and the lock updated); returns the new length."""
         if n and self.cfg.write_policy == "write_through_selective" and self.tree.hits(req.lock) >= 2:
             host_writes.want(self, CacheKey(key.tokens[:n], key.extra))
         keys = self._hashes(key)
@@ -123,11 +130,14 @@ class HostTier:
         return (self._load(req, key, keys, q) or n) if q else n
 
     def in_l3(self, key: CacheKey) -> bool:
+        """Whether ``key``'s whole pages are as far in L3 as they will get: all acknowledged
+        there, or no job left that could add one (no L3, a refused backup, evicted pages)."""
         if not self.l3 or not self.memory_pending:
             return True
         return all((e := self.kv_host.get(k)) is not None and e.l3 for k in self._hashes(key))
 
     def prefix_len(self, key: CacheKey) -> int:
+        """Tokens of ``key`` usable now (device and host), changing nothing."""
         n = self.tree.match(key, touch=False).length
         _, q = self._reach(self._hashes(key), n, self._kv_reach(key, n))
         return max(n, q * self.tree_page)
@@ -182,6 +192,7 @@ class HostTier:
         return end
 
     def hold(self, req: Req) -> bool:
+        """Whether ``req`` should wait for its L3 prefetch (starting one when it pays)."""
         return wait_for_prefetch(req, self._start_prefetch)
 
     def _start_prefetch(self, req: Req, now: float) -> PrefetchTracker | None:
@@ -240,6 +251,8 @@ class HostTier:
 
     # -- the step stream ------------------------------------------------------------------------
     def evict_device(self, n: int) -> int:
+        """Free about ``n`` device slots (the write policy may back them up first); returns the
+        slots freed now."""
         return self.tree.evict(n)  # write_back: the tree hands each removed node to host_writes.evicted
 
     def take_ops(self) -> tuple[list[CacheOp], list[CacheOp]]:
@@ -256,6 +269,7 @@ class HostTier:
         return first, ops
 
     def on_results(self, results: list[JobResult]) -> None:
+        """Acknowledge the jobs of a committed step."""
         for r in results:
             load = self._loads.pop(r.job_id, None)
             if load is not None:
@@ -295,5 +309,6 @@ class HostTier:
         return {"free": h.size - len(h) - h.reserved, "evictable": h.evictable, "protected": h.protected}
 
     def check_idle(self) -> None:
+        """The host pools' books balance (raises AssertionError)."""
         self.kv_host.check()
         self.state_host.check()

@@ -13,10 +13,10 @@ from services.scheduler.memory.base import CacheHandle, CacheKey
 from services.scheduler.memory.host_jobs import Group, land
 
 if TYPE_CHECKING:
-    from services.scheduler.memory.host_tier import HostTier
+    from services.scheduler.memory.host_tier import HostTierPlanner
 
 
-def want(t: HostTier, key: CacheKey) -> None:
+def want(t: HostTierPlanner, key: CacheKey) -> None:
     """Back ``key``'s pages (and the state at its end) up with the next step."""
     m = t.tree.match(key, touch=False)
     if m.length != len(key.tokens) or (t.states is not None and m.state is None):
@@ -28,7 +28,9 @@ def want(t: HostTier, key: CacheKey) -> None:
     t._backlog.append((m.node, key, m.state))
 
 
-def evicted(t: HostTier, extra: str, tokens: array[int], start: int, slots: list[int], state: int | None) -> None:
+def evicted(
+    t: HostTierPlanner, extra: str, tokens: array[int], start: int, slots: list[int], state: int | None
+) -> None:
     """write_back: the tree removes ``tokens[start:]`` (its ``slots``) and the state after it:
     copy what the host lacks before the slots can be reused (``first_ops``)."""
     ps = t.tree_page
@@ -43,7 +45,7 @@ def evicted(t: HostTier, extra: str, tokens: array[int], start: int, slots: list
         _backup(t, keys, missing, skey, dev, state, t.first_ops, node=None)
 
 
-def _backup(t: HostTier, keys: list[bytes], missing: list[int], skey: bytes | None, dev: tuple[int, ...],
+def _backup(t: HostTierPlanner, keys: list[bytes], missing: list[int], skey: bytes | None, dev: tuple[int, ...],
             state: int | None, ops: list[CacheOp], node: CacheHandle | None) -> bool:
     """Reserve host room for pages ``missing`` (device ``dev``) and the state, and send."""
     if t._full() and node is None:
@@ -65,7 +67,7 @@ def _backup(t: HostTier, keys: list[bytes], missing: list[int], skey: bytes | No
     return True
 
 
-def start_backup(t: HostTier, node: CacheHandle, key: CacheKey, state: int | None, ops: list[CacheOp]) -> None:
+def start_backup(t: HostTierPlanner, node: CacheHandle, key: CacheKey, state: int | None, ops: list[CacheOp]) -> None:
     ps = t.tree_page
     keys = t._hashes(key)
     skey = t._skey(keys[-1]) if state is not None else None
@@ -79,7 +81,7 @@ def start_backup(t: HostTier, node: CacheHandle, key: CacheKey, state: int | Non
         t.tree.unlock(node)  # the host has it all or is getting it, or there is no room
 
 
-def start_put(t: HostTier, keys: list[bytes], skey: bytes | None, ops: list[CacheOp]) -> None:
+def start_put(t: HostTierPlanner, keys: list[bytes], skey: bytes | None, ops: list[CacheOp]) -> None:
     keys = [k for k in keys if (e := t.kv_host.get(k)) is not None and not e.l3]
     se = t.state_host.get(skey) if skey is not None else None
     if se is not None and se.l3:
@@ -96,7 +98,7 @@ def start_put(t: HostTier, keys: list[bytes], skey: bytes | None, ops: list[Cach
     t._send(g, ops)
 
 
-def finish(t: HostTier, g: Group) -> None:
+def finish(t: HostTierPlanner, g: Group) -> None:
     t._busy -= 1
     got, state_ok = land(g, t.kv_host, t.state_host)
     c = t.counters
