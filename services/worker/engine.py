@@ -69,9 +69,9 @@ from services.worker.host_malloc import keep_large_blocks_on_heap
 from services.worker.host_ops import HostOpRunner, L3Port
 from services.worker.host_states import HostStatePool
 from services.worker.kv_budget import auto_kv_bytes
-from services.worker.loader import fingerprint, load_model
+from services.worker.loader import LoadedModel, fingerprint, load_model
 from services.worker.models.registry import CausalLM
-from services.worker.pool_backing import choose_backing
+from services.worker.pool_backing import BackingChoice, choose_backing
 from services.worker.pools import KVPool, ReqToTokenTable
 from services.worker.sampler import SamplerInput, sample
 from services.worker.scoring import sample_rows, score_prompts, want_logits
@@ -112,6 +112,20 @@ class Engine:
         self.device = device
         self.model = model
         backing = choose_backing(device)
+        slot_bytes = self._make_pools(dtype, context, backing, l3)
+        self.info = self._worker_info(model_dir, loaded, context, slot_bytes, backing)
+        self.attn = attention_backend(cfg.attention, self.kv, self.req_to_token)  # chosen once, here
+        self._ctx = ForwardContext(self.attn, self.mamba)
+        self.draft = self._drafter(model_dir, loaded, dtype)
+        self._last_sample: dict[int, int] = {}
+        self._row_len: dict[int, int] = {}
+        self._history: dict[int, list[int]] = {}
+        self._last_end: float | None = None
+
+    def _make_pools(self, dtype: torch.dtype, context: int, backing: BackingChoice, l3: L3Port | None) -> int:
+        """The KV pool and slot table, the Mamba pool of a hybrid model, the host tier; returns the
+        bytes of one slot the scheduler plans with (the target's KV and, with MTP, the head's)."""
+        cfg, model, device, tp = self.cfg, self.model, self.device, self.tp
         kv_max, mamba_max = cfg.kv_max_bytes, cfg.mamba_max_slots
         if not backing.elastic:
             if kv_max or mamba_max:
@@ -140,54 +154,59 @@ class Engine:
             self.host = _host_tier(cfg, model, self.mamba, dtype, device, l3, tp)
         elif l3 is not None:
             raise ValueError("an L3 connection needs a host pool (host_cache_bytes > 0)")
-        host_states = self.host.states if self.host else None
-        self.info = WorkerInfo(
+        return slot_bytes
+
+    def _worker_info(
+        self, model_dir: Path, loaded: LoadedModel, context: int, slot_bytes: int, backing: BackingChoice
+    ) -> WorkerInfo:
+        """What the scheduler plans with: the model, the pools' sizes and granularity, the tiers."""
+        cfg, kv, mamba, host, tp = self.cfg, self.kv, self.mamba, self.host, self.tp
+        host_states = host.states if host else None
+        return WorkerInfo(
             model=model_dir.resolve().name,
             architecture=loaded.architecture,
             fingerprint=fingerprint(model_dir),
-            vocab_size=model.vocab_size,
+            vocab_size=self.model.vocab_size,
             context_length=context,
             eos_token_ids=loaded.eos_token_ids,
-            num_slots=self.kv.num_slots,
+            num_slots=kv.num_slots,
             bytes_per_slot=slot_bytes,
             page_size=cfg.page_size,
             num_rows=cfg.max_rows,
-            num_mamba_slots=self.mamba.num_slots if self.mamba else 0,
-            bytes_per_mamba_slot=self.mamba.bytes_per_slot if self.mamba else 0,
+            num_mamba_slots=mamba.num_slots if mamba else 0,
+            bytes_per_mamba_slot=mamba.bytes_per_slot if mamba else 0,
             dtype=cfg.dtype,
-            hybrid=self.mamba is not None,
-            device=str(device),
-            max_slots=self.kv.max_slots,
-            max_mamba_slots=self.mamba.max_slots if self.mamba else 0,
-            slot_granularity=self.kv.slot_granularity,
-            mamba_slot_granularity=self.mamba.slot_granularity if self.mamba else 0,
+            hybrid=mamba is not None,
+            device=str(self.device),
+            max_slots=kv.max_slots,
+            max_mamba_slots=mamba.max_slots if mamba else 0,
+            slot_granularity=kv.slot_granularity,
+            mamba_slot_granularity=mamba.slot_granularity if mamba else 0,
             pool_page_bytes=backing.page_bytes,
             elastic=backing.elastic,
-            host_pages=self.host.pool.num_pages if self.host else 0,
-            host_page_tokens=cfg.host_page_tokens if self.host else 0,
-            kv_layout=f"{self.host.pool.layout}/tp0of{tp.size}" if self.host else "",
-            l3=self.host is not None and self.host.l3 is not None,
+            host_pages=host.pool.num_pages if host else 0,
+            host_page_tokens=cfg.host_page_tokens if host else 0,
+            kv_layout=f"{host.pool.layout}/tp0of{tp.size}" if host else "",
+            l3=host is not None and host.l3 is not None,
             host_states=host_states.num_states if host_states else 0,
             state_layout=f"{host_states.layout}/tp0of{tp.size}" if host_states else "",
             tp_size=tp.size,
             draft_model="mtp" if cfg.mtp else Path(cfg.draft_model).resolve().name if cfg.draft_model else "",
         )
-        self.attn = attention_backend(cfg.attention, self.kv, self.req_to_token)  # chosen once, here
-        self._ctx = ForwardContext(self.attn, self.mamba)
-        self.draft: Drafter | None = None
-        if (cfg.draft_model or cfg.mtp) and tp.size > 1:
+
+    def _drafter(self, model_dir: Path, loaded: LoadedModel, dtype: torch.dtype) -> Drafter | None:
+        """The draft model's or the MTP head's drafter (``--speculative-draft-model`` / ``--speculative-mtp``)."""
+        cfg = self.cfg
+        if (cfg.draft_model or cfg.mtp) and self.tp.size > 1:
             raise ValueError("speculative decoding: not supported with tensor parallelism")
         if cfg.draft_model:
-            self.draft = DraftModel(Path(cfg.draft_model), dtype, device, model.vocab_size, self.kv,
-                                    self.req_to_token, cfg.attention)  # fmt: skip
-        elif cfg.mtp:
+            return DraftModel(Path(cfg.draft_model), dtype, self.device, self.model.vocab_size, self.kv,
+                              self.req_to_token, cfg.attention)  # fmt: skip
+        if cfg.mtp:
             from services.worker.mtp import MtpDrafter  # only Qwen3-Next checkpoints have the head
 
-            self.draft = MtpDrafter(model_dir, loaded.model, dtype, device, self.kv, self.req_to_token, cfg.attention)
-        self._last_sample: dict[int, int] = {}
-        self._row_len: dict[int, int] = {}
-        self._history: dict[int, list[int]] = {}
-        self._last_end: float | None = None
+            return MtpDrafter(model_dir, loaded.model, dtype, self.device, self.kv, self.req_to_token, cfg.attention)
+        return None
 
     # -- public ----------------------------------------------------------------------------------
 
