@@ -14,7 +14,7 @@ PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := strata/.generated
 PORT ?= 50051
 
-.PHONY: fuzz native bench-attention gpu-check gpu-wheels run test test-unit test-engine test-services test-all soak bench bench-servers bench-vllm bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas bench-tp bench-overhead bench-spec bench-pd eval soak-hicache soak-text compose-certs lint protos install system-deps models clean
+.PHONY: fuzz native bench-attention gpu-check gpu-wheels run test test-unit test-engine test-services test-all soak bench bench-servers bench-vllm bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas bench-tp bench-overhead bench-spec bench-pd bench-clients eval soak-hicache soak-text compose-certs lint protos install system-deps models clean
 
 run: install models
 	$(BIN)/strata up --model $(TINY) --port $(PORT)
@@ -74,6 +74,22 @@ eval: install models
 	@$(BIN)/python -c 'import lm_eval' 2>/dev/null || $(BIN)/pip install -q --disable-pip-version-check \
 	  -c constraints.txt -e '.[eval]' --config-settings editable_mode=compat
 	$(BIN)/python -m benchmarks.lm_eval_compare --model $(TINY) --out docs/bench/lm_eval.json
+
+# An OpenAI-compatible load generator against Strata (issue #28): GuideLLM GUIDELLM_VERSION, from its own venv
+# (GUIDELLM_VENV, made here with the same CPU torch wheel as .venv; never this one), on a Strata stack of the
+# bench model: /v1/completions streamed, 256-token synthetic prompts -> 64 tokens at concurrency 1, 4 and 16,
+# 45 s each (~3 min; not in `make test`). Writes GuideLLM's raw report docs/bench/guidellm.json and
+# docs/bench/clients.json, prints the table of docs/benchmarks.md.
+GUIDELLM_VERSION := 0.8.1
+GUIDELLM_VENV ?= .venv-guidellm
+bench-clients: install $(BENCH_MODEL)/config.json $(GUIDELLM_VENV)/.guidellm-$(GUIDELLM_VERSION)
+	$(BIN)/python -m benchmarks.clients --model $(BENCH_MODEL) --guidellm $(GUIDELLM_VENV)/bin/guidellm \
+	  --run-dir .runs/bench-clients
+
+$(GUIDELLM_VENV)/.guidellm-$(GUIDELLM_VERSION):
+	test -x $(GUIDELLM_VENV)/bin/python || $(PY) -m venv $(GUIDELLM_VENV)
+	$(GUIDELLM_VENV)/bin/pip install -q --disable-pip-version-check torch==2.13.0 guidellm==$(GUIDELLM_VERSION)
+	touch $@
 
 $(BENCH_MODEL)/config.json: | install
 	$(BIN)/strata model tiny --arch qwen3 --size bench --out $(BENCH_MODEL)
