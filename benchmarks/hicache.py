@@ -132,7 +132,7 @@ async def request(tiers: Tiers, store: ShardedKVStore, prompt: list[int], timeou
     l3 = await leading_pages(store, prompt, "", info)
     lookup = time.perf_counter() - t0
     req = greedy_req(prompt, 1, loop.limits())
-    req.l3_pages = l3
+    req.mem.l3_pages = l3
     loop.submit(req)
     ttft, token = 0.0, -1
     try:

@@ -48,7 +48,7 @@ async def one(loop: SchedulerLoop, rid: str, spec: Spec) -> Outcome:
     )
     gen = validation.generation(sp, len(spec.prompt), loop.limits(), False, 0)
     req = Req(rid, list(spec.prompt), gen, seed=spec.seed, cache_salt=spec.salt, grammar=spec.grammar)
-    req.l3_pages = spec.l3_pages
+    req.mem.l3_pages = spec.l3_pages
     ids, ev = await stream(loop, req)
     return Outcome(ids, ev.reason.value, ev.prompt_tokens, ev.cached_tokens)
 

@@ -261,7 +261,7 @@ class Batcher:
         drafts to verify (speculative decoding)."""
         start = req.computed - n
         known = req.seq_len
-        assert req.row is not None
+        assert req.mem.row is not None
         pending = start >= known  # the input is a sample still in flight (overlap)
         assert not pending or n == 1
         g = req.gen
@@ -270,13 +270,13 @@ class Batcher:
         end = start + n
         ri = ReqInput(
             request_id=req.rid,
-            row=req.row,
+            row=req.mem.row,
             input_ids=[] if pending else req.tokens(start, n - len(draft)) + draft,
             use_last_sample=pending,
             start_pos=start,
-            new_slots=req.slots[start:],
-            prefix_slots=req.slots[:start] if not req.sent_history or req.row_dirty else [],
-            mamba_slot=req.mamba_slot,
+            new_slots=req.mem.slots[start:],
+            prefix_slots=req.mem.slots[:start] if not req.sent_history or req.mem.row_dirty else [],
+            mamba_slot=req.mem.mamba_slot,
             sample=start + n - len(draft) == known + req.inflight and g.max_new_tokens > 0,
             sampling=g.sampling,
             seed=req.seed,
@@ -303,8 +303,8 @@ class Batcher:
             # or resumed: prompt + output so far.
             ri.history_ids = req.tokens(0, known)
         req.sent_history = True
-        req.row_dirty = False
-        req.planned_len = start + n
+        req.mem.row_dirty = False
+        req.mem.planned_len = start + n
         return ri
 
     def late_masks(self, plan: Plan, vocab_size: int) -> LateMasks:
@@ -336,12 +336,12 @@ class Batcher:
                 req.prompt_scores += got.logprobs
                 req.prompt_ranks += got.ranks
         for req in plan.prefills:
-            if req.finished is None and not req.aborted and req.row is not None:
+            if req.finished is None and not req.aborted and req.mem.row is not None:
                 self.mem.commit_chunk(req)
             if req.scoring and req.finished is None and not req.aborted:
                 self._prompt_scored(req)
         for req, fork in plan.forks:
-            if req.finished is None and not req.aborted and req.row is not None:
+            if req.finished is None and not req.aborted and req.mem.row is not None:
                 self.mem.commit_fork(req, fork)
         if any(plan.drafts):
             self._commit_verified(plan, sampled, rows)
@@ -380,7 +380,7 @@ class Batcher:
             if d:
                 if self.spec is not None:
                     self.spec.record(req, d, n - 1)
-                if req.row is not None:  # still holds its slots: the rejected drafts' go back
+                if req.mem.row is not None:  # still holds its slots: the rejected drafts' go back
                     self.mem.truncate(req, req.computed - (d + 1 - n))
             if req.finished is not None or req.aborted:
                 continue
@@ -468,8 +468,8 @@ class Batcher:
     def _drop_aborted(self) -> None:
         for req in [r for r in self.waiting if r.aborted]:
             self.waiting.remove(req)
-            if req.prefetch is not None:
-                req.prefetch.abort()  # a fetch in flight still releases its pages on its ack
+            if req.mem.prefetch is not None:
+                req.mem.prefetch.abort()  # a fetch in flight still releases its pages on its ack
             req.emit_abort()
         for req in [r for r in self.running if r.aborted]:
             self.finish(req, Finish.ABORT)

@@ -4,7 +4,7 @@ The prompt's whole pages are hashed with the chained page hash (namespaced by mo
 KV layout and cache salt) and the kvstore shards are asked for the leading run of present pages.
 A slow, missing or dead store is a miss, never an error: the lookup is bounded by a short timeout.
 The keys are the hierarchical cache's (``WorkerInfo.kv_layout`` and ``host_page_tokens``): the
-figure becomes ``Req.l3_pages``, from which admission decides whether to prefetch
+figure becomes ``Req.mem.l3_pages``, from which admission decides whether to prefetch
 (``Memory.hold``, ``memory/host.py``). A hybrid model's prefix is usable only up to a stored Mamba state,
 so for it the pages and the state keys after each page are asked together (one ``Exists`` with
 per-key answers per shard) and the hit is the deepest state with every page before it

@@ -11,6 +11,9 @@ from typing import Any
 
 from services.common.step import TokenLogprob
 from services.common.validation import Generation
+from services.scheduler.memory.request_memory import Fork, RequestMemory
+
+__all__ = ["Event", "FailEvent", "Finish", "FinishEvent", "Fork", "PromptEvent", "Req", "TokenEvent"]
 
 
 class Finish(enum.Enum):
@@ -63,22 +66,10 @@ Event = TokenEvent | PromptEvent | FinishEvent | FailEvent
 
 
 @dataclass(eq=False, slots=True)
-class Fork:
-    """A Mamba slot a hybrid request copies its working state into once it has computed ``pos``
-    tokens, to donate to the prefix cache as a checkpoint (compared by identity)."""
-
-    pos: int
-    slot: int
-
-
-@dataclass(eq=False, slots=True)
 class Req:
-    """One generation request.
-
-    ``slots[i]`` holds the KV of token ``i`` of ``seq`` (prompt + output); ``len(slots)`` tokens
-    are computed. ``slots[:cache_len]`` belong to the prefix cache (matched or inserted) and are
-    protected by ``lock``; the rest are the request's own.
-    """
+    """One generation request. ``mem`` is what it holds of the worker's memory (``Memory``'s to
+    write): ``mem.slots[i]`` holds the KV of token ``i`` of ``seq`` (prompt + output), so
+    ``len(mem.slots)`` tokens are computed."""
 
     rid: str
     prompt: list[int]
@@ -89,29 +80,11 @@ class Req:
     arrived: float = field(default_factory=time.monotonic)  # when submitted (queue-time metric)
     grammar: Any = None  # a compiled matcher (grammar issue); None = unconstrained
     output: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    row: int | None = None
-    mamba_slot: int | None = None
-    cache_len: int = 0  # prefix tokens owned by the cache and locked by this request
-    # Tokens covered by inputs of steps already planned (<= computed: a slot granted in a plan
-    # that then retracted the request was never written).
-    planned_len: int = 0
-    # Hybrid models (see services.scheduler.memory.states): where to fork the working state into
-    # the cache, positions siblings wait for, forks not yet in the tree, the matched state and
-    # where the prompt left the tree at admission.
-    checkpoints: list[int] = field(default_factory=list)
-    branch_hints: list[int] = field(default_factory=list)
-    forks: list[Fork] = field(default_factory=list)
-    matched_state: int | None = None
-    branch_len: int = 0
-    lock: Any = None  # the cache node locked for slots[:cache_len]
+    mem: RequestMemory = field(default_factory=RequestMemory)
     cached_tokens: int = 0  # prompt tokens reused on first admission (reported as usage)
-    l3_pages: int = 0  # leading prompt pages the shared store (L3) holds, at submission
     handoff: bool = False  # a prefill-role scheduler ends this request after its first token (Finish.HANDOFF)
-    prefetch: Any = None  # hierarchical cache: this request's L3 prefetch (a PrefetchTracker), once started
     first_admission: bool = True
     sent_history: bool = False
-    row_dirty: bool = False  # the worker's row holds slots the cache replaced: resend them
     aborted: bool = False
     finished: Finish | None = None
     retractions: int = 0
@@ -167,7 +140,7 @@ class Req:
 
     @property
     def computed(self) -> int:
-        return len(self.slots)
+        return len(self.mem.slots)
 
     @property
     def remaining_prefill(self) -> int:

@@ -109,7 +109,7 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
         if self.l3 is not None:
             info = self.loop.info
             assert info is not None
-            req.l3_pages = await self.l3.leading_pages(ids, request.cache_salt, info)
+            req.mem.l3_pages = await self.l3.leading_pages(ids, request.cache_salt, info)
         self.loop.submit(req)
         return req
 

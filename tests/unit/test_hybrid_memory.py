@@ -170,20 +170,20 @@ def test_forks_run_first_in_the_next_step_and_cow_reads_them_later() -> None:
     a = _req("a", [1, 2, 3, 4, 5, 6, 7, 8, 9], 2, ignore_eos=True)
     b.waiting.append(a)
     p1 = b.plan()
-    assert p1 is not None and p1.step.ops == [MambaReset(a.mamba_slot)]  # type: ignore[arg-type]
+    assert p1 is not None and p1.step.ops == [MambaReset(a.mem.mamba_slot)]  # type: ignore[arg-type]
     assert [ri.input_ids for ri in p1.step.reqs] == [[1, 2, 3, 4]]  # cut at the first checkpoint
     fork = p1.forks[0][1]
     p2 = b.plan()  # overlap: planned before p1 is committed
-    assert p2 is not None and p2.step.ops[0] == MambaCopy(a.mamba_slot, fork.slot)  # type: ignore[arg-type]
+    assert p2 is not None and p2.step.ops[0] == MambaCopy(a.mem.mamba_slot, fork.slot)  # type: ignore[arg-type]
     b.commit(p1, [])
-    assert a.cache_len == 4 and fork not in a.forks
+    assert a.mem.cache_len == 4 and fork not in a.mem.forks
     c = _req("c", [1, 2, 3, 4, 11], 1, ignore_eos=True)
     b.waiting.append(c)
     b.commit(p2, [])
     p3 = b.plan()
-    assert p3 is not None and c.cache_len == 4 and c.mamba_slot is not None
-    assert MambaCopy(fork.slot, c.mamba_slot) in p3.step.ops  # copy-on-write of the checkpoint
-    assert fork.slot != c.mamba_slot
+    assert p3 is not None and c.mem.cache_len == 4 and c.mem.mamba_slot is not None
+    assert MambaCopy(fork.slot, c.mem.mamba_slot) in p3.step.ops  # copy-on-write of the checkpoint
+    assert fork.slot != c.mem.mamba_slot
 
 
 def test_admission_waits_for_a_state_slot_instead_of_failing() -> None:
@@ -203,7 +203,7 @@ def test_admission_waits_for_a_state_slot_instead_of_failing() -> None:
     b.waiting.extend([y, z])
     p = b.plan()
     assert p is not None and p.reqs == [y] and list(b.waiting) == [z]  # z waits, nothing raised
-    assert y.cache_len == 6 and _sc(mem).evicted == 0 and _tree(mem).state_protected == 1
+    assert y.mem.cache_len == 6 and _sc(mem).evicted == 0 and _tree(mem).state_protected == 1
     b.commit(p, [(3, None)])
     while not b.idle:
         p = b.plan()

@@ -147,22 +147,22 @@ class MemoryMachine(RuleBasedStateMachine):
         the forward of its last ``n`` tokens runs, and the step is committed."""
         ops = self.mem.take_ops([])
         if req is not None:
-            req.planned_len = req.computed
+            req.mem.planned_len = req.computed
             self.mem.planned(req)
         results = self.pools.run(ops)
         if req is not None:
             start = req.computed - n
             seq = req.seq
             for i in range(start):
-                assert self.pools.kv.get(req.slots[i]) == tuple(seq[: i + 1]), f"KV of token {i} is wrong"
+                assert self.pools.kv.get(req.mem.slots[i]) == tuple(seq[: i + 1]), f"KV of token {i} is wrong"
             if self.hybrid:
-                assert req.mamba_slot is not None
-                assert self.pools.state.get(req.mamba_slot) == tuple(seq[:start]), "working state is wrong"
+                assert req.mem.mamba_slot is not None
+                assert self.pools.state.get(req.mem.mamba_slot) == tuple(seq[:start]), "working state is wrong"
             for i in range(start, start + n):
-                self.pools.kv[req.slots[i]] = tuple(seq[: i + 1])
+                self.pools.kv[req.mem.slots[i]] = tuple(seq[: i + 1])
             if self.hybrid:
-                assert req.mamba_slot is not None
-                self.pools.state[req.mamba_slot] = tuple(seq[: start + n])
+                assert req.mem.mamba_slot is not None
+                self.pools.state[req.mem.mamba_slot] = tuple(seq[: start + n])
         self.mem.on_results(results)
         if req is not None:
             self._commit(req, n)
@@ -170,7 +170,7 @@ class MemoryMachine(RuleBasedStateMachine):
     def _commit(self, req: Req, n: int) -> None:
         if req.computed - n < len(req.prompt):
             self.mem.commit_chunk(req)
-        for fork in list(req.forks):
+        for fork in list(req.mem.forks):
             if fork.pos <= req.computed:
                 self.mem.commit_fork(req, fork)
 
@@ -244,11 +244,11 @@ class MemoryMachine(RuleBasedStateMachine):
         mem = self.mem
         u = mem.usage()
         ps = mem.page_size
-        own = {s // ps for r in self.live for s in r.slots[r.cache_len :]}
+        own = {s // ps for r in self.live for s in r.mem.slots[r.mem.cache_len :]}
         assert u.free + u.evictable + u.protected + len(own) * ps == u.size, (u, len(own))
         if mem.states is not None:
             pool = mem.states.pool
-            held = sum((r.mamba_slot is not None) + len(r.forks) for r in self.live)
+            held = sum((r.mem.mamba_slot is not None) + len(r.mem.forks) for r in self.live)
             stats = mem.stats()["state_slots"]
             assert pool.available + stats["cache"] + held == pool.size, (stats, held)
 

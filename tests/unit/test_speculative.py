@@ -127,17 +127,17 @@ def test_truncate_gives_back_the_rejected_drafts_slots(page: int) -> None:
     mem = build_memory(_info(page), MemoryConfig())
     req = _req(list(range(1, 11)))
     assert mem.admit(req) == 0 and mem.start(req, 10, reserve=0)
-    req.planned_len = 10
+    req.mem.planned_len = 10
     free0 = mem.slots.available
     assert mem.extend(req, 1 + 6)  # a decode with 6 drafts: positions 10..16
-    req.planned_len = 17
+    req.mem.planned_len = 17
     mem.truncate(req, 12)  # two kept
-    assert req.computed == 12 and req.planned_len == 12
+    assert req.computed == 12 and req.mem.planned_len == 12
     # Page 4: positions 10-11 sit in the prompt's last page; the two new pages go back whole.
     assert mem.slots.available == free0 - (0 if page == 4 else 2)
-    before = list(req.slots)
+    before = list(req.mem.slots)
     assert mem.extend(req, 3)  # the next decode continues in the same pages
-    assert req.slots[:12] == before and len(set(req.slots)) == 15
+    assert req.mem.slots[:12] == before and len(set(req.mem.slots)) == 15
     with pytest.raises(ValueError, match="truncate r to 16 tokens"):
         mem.truncate(req, 16)
     req.output = [5] * 5

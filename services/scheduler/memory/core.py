@@ -26,8 +26,9 @@ The life of a request's memory, one verb per point (the batcher calls them in th
     commit_fork  a committed checkpoint enters the tree with its state
     release      finished, aborted or retracted: computed pages to the tree, the rest freed
 
-Ownership of a request's slots (see ``Req``): ``slots[:cache_len]`` belong to the tree and are
-locked by the request; ``slots[cache_len:]`` are the request's until it caches or frees them.
+Ownership of a request's slots (``req.mem``, see ``request_memory.py``): ``slots[:cache_len]``
+belong to the tree and are locked by the request; ``slots[cache_len:]`` are the request's until it
+caches or frees them.
 Invariants, checked when idle (``check_idle``): ``free + evictable + protected == size`` for the KV
 pool, for the state pool, and (with ``reserved``) for the host pools.
 """
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from services.common.step import CacheOp, JobResult, ReleaseRow
 from services.scheduler.memory.allocator import RowAllocator, SlotAllocator
@@ -43,9 +45,12 @@ from services.scheduler.memory.base import CacheKey, EventSink
 from services.scheduler.memory.host import match_key
 from services.scheduler.memory.host_tier import HostTierPlanner
 from services.scheduler.memory.ops import step_ops
+from services.scheduler.memory.request_memory import Fork
 from services.scheduler.memory.states import StateTrack
 from services.scheduler.memory.tree import PrefixTree
-from services.scheduler.request import Fork, Req
+
+if TYPE_CHECKING:
+    from services.scheduler.request import Req
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,24 +102,24 @@ class Memory:
         row = self.rows.alloc()
         if row is None:
             return None
-        req.row = row
+        req.mem.row = row
         key = self.match_key(req)
         n = self._match_device(req, key)
         if self.host is not None:
             n = self.host.extend_match(req, key, n)
-        req.cache_len = req.planned_len = n
+        req.mem.cache_len = req.mem.planned_len = n
         if self.states is not None:
             self.states.plan_checkpoints(req)
         return n
 
     def _match_device(self, req: Req, key: CacheKey) -> int:
         m = self.tree.match(key)
-        req.branch_len, req.matched_state = m.kv_len, m.state
+        req.mem.branch_len, req.mem.matched_state = m.kv_len, m.state
         n = len(m.slots)
         if n:
             self.tree.lock(m.node)
-            req.lock, req.slots = m.node, list(m.slots)
-        req.cache_len = req.planned_len = n
+            req.mem.lock, req.mem.slots = m.node, list(m.slots)
+        req.mem.cache_len = req.mem.planned_len = n
         return n
 
     def prefix_len(self, req: Req) -> int:
@@ -142,9 +147,9 @@ class Memory:
     def abandon(self, req: Req) -> None:
         """Undo an ``admit`` whose request was not scheduled (its row was never sent)."""
         self._cache_and_release(req)
-        if req.row is not None:
-            self.rows.free(req.row)
-            req.row = None
+        if req.mem.row is not None:
+            self.rows.free(req.mem.row)
+            req.mem.row = None
 
     def branch_hint(self, req: Req, pos: int) -> None:
         """A sibling waits for ``req``'s prefix up to ``pos`` (a checkpoint there pays)."""
@@ -158,8 +163,8 @@ class Memory:
         shared). The unused tail of the last page stays the request's until it is released."""
         got: list[int] = []
         ps = self.page_size
-        if ps > 1 and req.slots and req.computed % ps:
-            last = req.slots[-1]
+        if ps > 1 and req.mem.slots and req.computed % ps:
+            last = req.mem.slots[-1]
             got = list(range(last + 1, last + 1 + min(ps - 1 - last % ps, n)))
         rest = n - len(got)
         if rest:
@@ -167,20 +172,21 @@ class Memory:
             if new is None:
                 return False
             got += new[:rest]
-        req.slots.extend(got)
+        req.mem.slots.extend(got)
         return True
 
     def truncate(self, req: Req, n: int) -> None:
         """``req`` keeps the slots of its first ``n`` tokens (speculative decoding: the KV of the
         drafts a step rejected is void). Pages wholly past ``n`` are freed; the rest of the page
         holding token ``n - 1`` stays the request's, as after ``extend``."""
-        if not req.cache_len <= n <= req.computed:
-            raise ValueError(f"truncate {req.rid} to {n} tokens: outside [{req.cache_len}, {req.computed}]")
+        rm = req.mem
+        if not rm.cache_len <= n <= req.computed:
+            raise ValueError(f"truncate {req.rid} to {n} tokens: outside [{rm.cache_len}, {req.computed}]")
         ps = self.page_size
         keep = -(-n // ps) * ps  # to the end of the last page in use
-        self.free_pages(req.slots[keep:])
-        del req.slots[n:]
-        req.planned_len = min(req.planned_len, n)
+        self.free_pages(rm.slots[keep:])
+        del rm.slots[n:]
+        rm.planned_len = min(rm.planned_len, n)
 
     def alloc(self, n: int) -> list[int] | None:
         """``n`` slots (rounded to whole pages by the allocator), evicting unlocked cache if needed."""
@@ -210,9 +216,9 @@ class Memory:
 
     # -- the step -------------------------------------------------------------------------------
     def planned(self, req: Req) -> Fork | None:
-        """The step being planned brings ``req`` to ``req.planned_len``: fork its state there if
+        """The step being planned brings ``req`` to ``req.mem.planned_len``: fork its state there if
         that is a checkpoint (returns the fork to commit with the step)."""
-        return None if self.states is None else self.states.planned(req, req.planned_len)
+        return None if self.states is None else self.states.planned(req, req.mem.planned_len)
 
     def take_ops(self, resize: list[CacheOp]) -> list[CacheOp]:
         """The cache ops of the step being planned, ``resize`` (elastic pools) included."""
@@ -243,27 +249,27 @@ class Memory:
         With states, prefixes enter the tree only with a state: at forks (``commit_fork``)."""
         if self.states is not None or not self.caching:
             return
-        computed, m = min(req.computed, len(req.prompt) + len(req.output)), req.cache_len
+        computed, m = min(req.computed, len(req.prompt) + len(req.output)), req.mem.cache_len
         aligned = self.tree.aligned_len(computed)
         if aligned <= m:
             return
         key = CacheKey(req.seq[:aligned], req.cache_salt)
-        self._lock_inserted(req, key, self.tree.insert(key, req.slots[:aligned]))
+        self._lock_inserted(req, key, self.tree.insert(key, req.mem.slots[:aligned]))
         if self.host is not None:
             self.host.cached(key)
 
     def commit_fork(self, req: Req, fork: Fork) -> None:
         """The step that computed ``fork`` is committed: put ``tokens[:pos]`` and the fork into the
         tree and move ``req``'s lock down to it."""
-        if fork not in req.forks:  # released (finished, aborted, retracted) meanwhile: slot freed
+        if fork not in req.mem.forks:  # released (finished, aborted, retracted) meanwhile: slot freed
             return
-        req.forks.remove(fork)
+        req.mem.forks.remove(fork)
         assert self.states is not None
-        if fork.pos <= req.cache_len:  # already cached up to here (a deeper node is locked): surplus
+        if fork.pos <= req.mem.cache_len:  # already cached up to here (a deeper node is locked): surplus
             self.states.pool.free(fork.slot)
             return
         key = CacheKey(req.seq[: fork.pos], req.cache_salt)
-        res = self.tree.insert_checkpoint(key, req.slots[: fork.pos], fork.slot)
+        res = self.tree.insert_checkpoint(key, req.mem.slots[: fork.pos], fork.slot)
         self.states.counters.fork_inserted += res.state_taken
         self._lock_inserted(req, key, res.cached_len)
         if res.state_taken:
@@ -274,18 +280,19 @@ class Memory:
     def _lock_inserted(self, req: Req, key: CacheKey, cached: int) -> None:
         """``req``'s ``key`` was just inserted (the tree held ``cached`` tokens of it before): move
         the lock down to the key's end, switch to the tree's slots and free the duplicates
-        ``[cache_len, cached)`` (``req.row_dirty`` makes the batcher resend the worker's row)."""
-        n, m = len(key.tokens), req.cache_len
-        dup = req.slots[m:cached]
+        ``[cache_len, cached)`` (``req.mem.row_dirty`` makes the batcher resend the worker's row)."""
+        rm = req.mem
+        n, m = len(key.tokens), rm.cache_len
+        dup = rm.slots[m:cached]
         new = self.tree.match_prefix(key)
         assert len(new.slots) == n, (len(new.slots), n)
         self.tree.lock(new.node)
-        if req.lock is not None:
-            self.tree.unlock(req.lock)
-        req.lock, req.cache_len = new.node, n
+        if rm.lock is not None:
+            self.tree.unlock(rm.lock)
+        rm.lock, rm.cache_len = new.node, n
         if dup:
-            req.slots[:n] = new.slots
-            req.row_dirty = True
+            rm.slots[:n] = new.slots
+            rm.row_dirty = True
             self.free_pages(dup)
 
     # -- release --------------------------------------------------------------------------------
@@ -293,46 +300,48 @@ class Memory:
         """The request is done with its memory (finished, aborted or retracted): its computed whole
         pages go to the tree, the rest is freed, and its row is released on the worker."""
         self._cache_and_release(req)
-        if req.row is not None:
-            self.rows.free(req.row)
-            self._released_rows.append(ReleaseRow(req.row))
-            req.row = None
+        if req.mem.row is not None:
+            self.rows.free(req.mem.row)
+            self._released_rows.append(ReleaseRow(req.mem.row))
+            req.mem.row = None
 
     def _cache_and_release(self, req: Req) -> None:
         # Only known tokens whose KV a planned step writes (a slot granted for a sample still in
         # flight has no id yet; one granted in a plan that then retracted the request was never
         # sent), and only whole pages; everything past that stays the request's to free. With
         # states, the working state is donated when it sits exactly at the end of what is cached.
-        own, m = req.mamba_slot, req.cache_len
-        computed = min(req.planned_len, len(req.prompt) + len(req.output))
+        rm = req.mem
+        own, m = rm.mamba_slot, rm.cache_len
+        computed = min(rm.planned_len, len(req.prompt) + len(req.output))
         aligned = self.tree.aligned_len(computed)
-        donate = self.states is not None and own is not None and req.planned_len == aligned
-        to_free = req.slots[m:]
+        donate = self.states is not None and own is not None and rm.planned_len == aligned
+        to_free = rm.slots[m:]
         if aligned > m and self.caching:
             key = CacheKey(req.seq[:aligned], req.cache_salt)
             # Ownership of a donated state passes to the tree whether it keeps it or not.
-            res = self.tree.insert_checkpoint(key, req.slots[:aligned], own if donate else None)
+            res = self.tree.insert_checkpoint(key, rm.slots[:aligned], own if donate else None)
             cached, taken = res.cached_len, res.state_taken
             if taken and self.states is not None:
                 self.states.counters.donated += 1
             # [m, cached) duplicate what the tree already holds; [cached, aligned) now belong to it.
-            to_free = req.slots[m:cached] + req.slots[aligned:]
+            to_free = rm.slots[m:cached] + rm.slots[aligned:]
             if self.host is not None and (self.states is None or taken):
                 self.host.cached(key)
         else:
             donate = False
-        if req.lock is not None:
-            self.tree.unlock(req.lock)
+        if rm.lock is not None:
+            self.tree.unlock(rm.lock)
         self.free_pages(to_free)
         if self.states is not None:
             self.states.release(req, donated=donate)
-        req.lock, req.slots, req.cache_len, req.planned_len = None, [], 0, 0
+        rm.lock, rm.slots, rm.cache_len, rm.planned_len = None, [], 0, 0
 
     def forget(self, req: Req) -> None:
         """The worker died with the request's memory: drop every reference without freeing."""
-        req.slots, req.cache_len, req.lock, req.row, req.planned_len = [], 0, None, None, 0
-        req.mamba_slot, req.forks, req.checkpoints, req.branch_hints = None, [], [], []
-        req.prefetch = None
+        rm = req.mem
+        rm.slots, rm.cache_len, rm.lock, rm.row, rm.planned_len = [], 0, None, None, 0
+        rm.mamba_slot, rm.forks, rm.checkpoints, rm.branch_hints = None, [], [], []
+        rm.prefetch = None
 
     # -- elastic pools --------------------------------------------------------------------------
     def set_limits(self, kv_slots: int, states: int) -> None:

@@ -10,7 +10,7 @@ their state twins) as step ops and hears the worker's acknowledgements in ``on_r
   the step stream runs them before any reader (``ops.py``), and a failed step takes the worker's
   whole pool view with it (the loop rebuilds it);
 - **L3 prefetch** (``hold``): when the kvstore holds at least ``prefetch_threshold`` pages beyond
-  the local match (``Req.l3_pages``, looked up at submission), host pages are reserved and an
+  the local match (``Req.mem.l3_pages``, looked up at submission), host pages are reserved and an
   ``L3Get`` is sent; the request waits as the stop policy says;
 - **writes** (``cached``, ``evict_device``): backups and puts the write policy wants go with the
   next step and are acknowledged from its ``StepResult.jobs``; until then what they read stays
@@ -22,10 +22,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.scheduler.memory.base import CacheKey
 from services.scheduler.memory.host_policy import PrefetchTracker, StopPolicy, WritePolicy
-from services.scheduler.request import Req
+
+if TYPE_CHECKING:
+    from services.scheduler.request import Req
 
 # Backups, puts and prefetches in flight at once (the default of --hicache-max-inflight).
 MAX_INFLIGHT_JOBS = 64
@@ -62,7 +65,7 @@ class HiCounters:
 def wait_for_prefetch(req: Req, start: Callable[[Req, float], PrefetchTracker | None]) -> bool:
     """Whether ``req`` should wait for its L3 prefetch, started by ``start(req, now)`` on the first
     call (None: no prefetch pays, do not wait); the tracker's stop policy decides after that."""
-    t: PrefetchTracker | None = req.prefetch
+    t: PrefetchTracker | None = req.mem.prefetch
     now = time.monotonic()
     if t is None:
         t = start(req, now)

@@ -23,7 +23,7 @@ ops, pages and state, of one backup / put / prefetch, finished when all its ops 
   the step (before anything can overwrite or release the slots just freed). A backed-up prefix is
   locked on the device until acknowledged (write-back: its slots are free but nothing runs before
   the copy). With L3, an ``L3Put`` of what a backup added follows its acknowledgement.
-- **L3 prefetch** (``hold``): ``Req.l3_pages`` is the L3 hit in pages (with states: the deepest
+- **L3 prefetch** (``hold``): ``Req.mem.l3_pages`` is the L3 hit in pages (with states: the deepest
   stored state with every page before it, ``l3_lookup``). When it exceeds the local reach by
   ``prefetch_threshold`` pages, the missing pages (and the state) are fetched into reserved host
   pages, the host pages the fetch continues are pinned, and the request waits as the stop policy
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from services.common.page_hash import HashNamespace, extend_hashes, namespace_seed, state_key
 from services.common.step import CacheOp, HostLoad, JobResult, StateLoad
@@ -50,7 +51,9 @@ from services.scheduler.memory.host_jobs import Group, group_ops
 from services.scheduler.memory.host_policy import PrefetchTracker, should_prefetch
 from services.scheduler.memory.states import StateTrack
 from services.scheduler.memory.tree import PrefixTree
-from services.scheduler.request import Req
+
+if TYPE_CHECKING:
+    from services.scheduler.request import Req
 
 
 class HostTierPlanner:
@@ -123,7 +126,7 @@ class HostTierPlanner:
     def extend_match(self, req: Req, key: CacheKey, n: int) -> int:
         """``req`` holds a locked device match of ``n`` tokens of ``key``: extend it with what the
         host holds (loads planned, the tree and the lock updated); returns the new length."""
-        if n and self.cfg.write_policy == "write_through_selective" and self.tree.hits(req.lock) >= 2:
+        if n and self.cfg.write_policy == "write_through_selective" and self.tree.hits(req.mem.lock) >= 2:
             host_writes.want(self, CacheKey(key.tokens[:n], key.extra))
         keys = self._hashes(key)
         _, q = self._reach(keys, n, self._kv_reach(key, n))
@@ -145,13 +148,13 @@ class HostTierPlanner:
     def _load(self, req: Req, key: CacheKey, keys: list[bytes], q: int) -> int:
         """Bring pages ``[d, q)`` (and the state after page ``q``) from the host, insert them into
         the device tree and serve the request from there; 0 when there is no room."""
-        ps, n, end = self.tree_page, req.cache_len, q * self.tree_page
+        ps, n, end = self.tree_page, req.mem.cache_len, q * self.tree_page
         skey = self._skey(keys[q - 1]) if self.states is not None else None
         pins = self.kv_host.pin(keys[:q])  # making room below must not drop what this load reads
         spins = self.state_host.pin([skey]) if skey is not None else []
         state = self.states.alloc() if self.states is not None else None
         got = self._alloc(end - n) if end > n and (state is not None or self.states is None) else []
-        dev = self.tree.kv_path(key)[:end] if self.states is not None else req.slots[:n]
+        dev = self.tree.kv_path(key)[:end] if self.states is not None else req.mem.slots[:n]
         d = len(dev)
         if got is None or (self.states is not None and state is None) or self.kv_host.run(keys, d // ps) < q:
             self._unpin(pins, spins)
@@ -184,10 +187,10 @@ class HostTierPlanner:
         m = self.tree.match(pkey)
         assert len(m.slots) == end
         self.tree.lock(m.node)
-        if req.lock is not None:
-            self.tree.unlock(req.lock)
-        req.lock, req.slots, req.matched_state = m.node, list(m.slots), m.state
-        req.branch_len = max(req.branch_len, end)
+        if req.mem.lock is not None:
+            self.tree.unlock(req.mem.lock)
+        req.mem.lock, req.mem.slots, req.mem.matched_state = m.node, list(m.slots), m.state
+        req.mem.branch_len = max(req.mem.branch_len, end)
         self.counters.load_tokens += len(new)
         return end
 
@@ -196,12 +199,12 @@ class HostTierPlanner:
         return wait_for_prefetch(req, self._start_prefetch)
 
     def _start_prefetch(self, req: Req, now: float) -> PrefetchTracker | None:
-        if not self.l3 or req.l3_pages <= 0:
+        if not self.l3 or req.mem.l3_pages <= 0:
             return None
         ps = self.tree_page
         key = match_key(req)
         keys = self._hashes(key)
-        top = min(req.l3_pages, len(keys))
+        top = min(req.mem.l3_pages, len(keys))
         n = self.tree.match(key, touch=False).length
         d = self._kv_reach(key, n)
         e, q = self._reach(keys, n, d)
@@ -227,7 +230,7 @@ class HostTierPlanner:
         g.tracker = PrefetchTracker(len(pages) + (hs is not None), cfg.prefetch_policy, now=now,
                                     timeout_s=cfg.prefetch_timeout_s, release=lambda _: None)
         g.tracker.issue()
-        req.prefetch = g.tracker
+        req.mem.prefetch = g.tracker
         self.counters.prefetch_pages += len(pages)
         return g.tracker
 

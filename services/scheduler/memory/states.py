@@ -3,7 +3,7 @@ copy-on-write, checkpoint forks and donation. Composed into ``Memory`` when the 
 state pool; dense models have none.
 
 A cached prefix is usable only together with the recurrent state right after it, so every running
-request owns one *working state* (``req.mamba_slot``) and:
+request owns one *working state* (``req.mem.mamba_slot``) and:
 
 - **start** (after the match): the request gets its working state and the matched state is copied
   into it (``MambaCopy``, copy-on-write: a cached state is never written), or it is zeroed
@@ -24,13 +24,17 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.common.step import CacheOp, MambaCopy, MambaReset
 from services.scheduler.memory.base import CacheHandle
+from services.scheduler.memory.request_memory import Fork
 from services.scheduler.memory.state_alloc import MambaSlotAllocator
 from services.scheduler.memory.state_policy import checkpoint_positions
 from services.scheduler.memory.tree import PrefixTree
-from services.scheduler.request import Fork, Req
+
+if TYPE_CHECKING:
+    from services.scheduler.request import Req
 
 
 @dataclass(slots=True)
@@ -63,16 +67,16 @@ class StateTrack:
     def plan_checkpoints(self, req: Req) -> None:
         """Where the request just matched should fork its state into the tree (ascending)."""
         if self.tree is None:
-            req.checkpoints = []
+            req.mem.checkpoints = []
             return
-        branches = [req.branch_len, *req.branch_hints]
+        branches = [req.mem.branch_len, *req.mem.branch_hints]
         if self.tree_page > 1:
             # Besides the prompt's end (for the next turn), the last page a resend of the same
             # prompt can match (its last token is always computed): they differ when the prompt
             # is whole pages.
             branches.append(len(req.seq) - 1)
-        req.checkpoints = checkpoint_positions(
-            len(req.seq), self.checkpoint_every, self.tree_page, branches, start=req.cache_len,
+        req.mem.checkpoints = checkpoint_positions(
+            len(req.seq), self.checkpoint_every, self.tree_page, branches, start=req.mem.cache_len,
             include_end=self.tree_page > 1,
         )
 
@@ -82,27 +86,28 @@ class StateTrack:
         own = self.alloc()
         if own is None:
             return False
-        src = req.matched_state if req.cache_len else None
+        src = req.mem.matched_state if req.mem.cache_len else None
         if src is not None:
             self.ops.append(MambaCopy(src, own))
             self.counters.cow_copy += 1
         else:
             self.ops.append(MambaReset(own))
-        req.mamba_slot, req.matched_state = own, None
+        req.mem.mamba_slot, req.mem.matched_state = own, None
         return True
 
     def add_branch_hint(self, req: Req, pos: int) -> None:
         """A sibling waits for ``req``'s prefix up to ``pos``: checkpoint there if still ahead."""
+        rm = req.mem
         pos -= pos % self.tree_page
-        if self.tree is None or pos in req.checkpoints or pos in req.branch_hints:
+        if self.tree is None or pos in rm.checkpoints or pos in rm.branch_hints:
             return
-        req.branch_hints.append(pos)
-        if req.mamba_slot is not None and req.planned_len < pos <= len(req.seq):
-            bisect.insort(req.checkpoints, pos)
+        rm.branch_hints.append(pos)
+        if rm.mamba_slot is not None and rm.planned_len < pos <= len(req.seq):
+            bisect.insort(rm.checkpoints, pos)
 
     def chunk_limit(self, req: Req, n: int) -> int:
         """Cut a prefill chunk of ``n`` tokens so that it ends at the next checkpoint, if any."""
-        cps, done = req.checkpoints, req.planned_len
+        cps, done = req.mem.checkpoints, req.mem.planned_len
         i = bisect.bisect_right(cps, done)
         return min(n, cps[i] - done) if i < len(cps) else n
 
@@ -118,16 +123,17 @@ class StateTrack:
     def planned(self, req: Req, end: int) -> Fork | None:
         """``req``'s input in the step being planned brings its working state to ``end``: fork it
         when that is a checkpoint. Returns the fork (to insert once the step is committed)."""
-        if self.tree is None or end > len(req.seq) or end not in req.checkpoints:
+        rm = req.mem
+        if self.tree is None or end > len(req.seq) or end not in rm.checkpoints:
             return None
         slot = self.alloc()
         if slot is None:
             self.counters.fork_skipped += 1
             return None
-        assert req.mamba_slot is not None
-        self.head.append(MambaCopy(req.mamba_slot, slot))
+        assert rm.mamba_slot is not None
+        self.head.append(MambaCopy(rm.mamba_slot, slot))
         fork = Fork(end, slot)
-        req.forks.append(fork)
+        rm.forks.append(fork)
         self.counters.fork += 1
         return fork
 
@@ -142,24 +148,26 @@ class StateTrack:
         return head, ops
 
     def hold_until_sent(self, req: Req, fork: Fork) -> None:
-        """``fork`` just entered the tree at ``req.lock``: if its copy has not been handed out
+        """``fork`` just entered the tree at ``req.mem.lock``: if its copy has not been handed out
         yet, keep the node locked until it is (a write-back eviction would read it too early)."""
-        if self.tree is not None and req.mamba_slot is not None and MambaCopy(req.mamba_slot, fork.slot) in self.head:
-            self.tree.lock(req.lock)
-            self.unsent.append(req.lock)
+        rm = req.mem
+        if self.tree is not None and rm.mamba_slot is not None and MambaCopy(rm.mamba_slot, fork.slot) in self.head:
+            self.tree.lock(rm.lock)
+            self.unsent.append(rm.lock)
 
     # -- release --------------------------------------------------------------------------------
     def release(self, req: Req, donated: bool) -> None:
         """Free the working state unless it was ``donated`` to the tree, and any pending forks
         (dropping their copies if not sent yet); clear the request's state fields."""
-        own = req.mamba_slot
+        rm = req.mem
+        own = rm.mamba_slot
         if own is not None and not donated:
             self.pool.free(own)
-        for fork in req.forks:
+        for fork in rm.forks:
             self.pool.free(fork.slot)
             if own is not None and (op := MambaCopy(own, fork.slot)) in self.head:
                 self.head.remove(op)  # not sent yet: no need to copy into a freed slot
-        req.forks, req.mamba_slot, req.checkpoints, req.branch_hints = [], None, [], []
+        rm.forks, rm.mamba_slot, rm.checkpoints, rm.branch_hints = [], None, [], []
 
     # -- accounting -----------------------------------------------------------------------------
     def owners(self) -> dict[str, int]:
