@@ -77,7 +77,7 @@ eval: install models
 
 # An OpenAI-compatible load generator against Strata (issue #28): GuideLLM GUIDELLM_VERSION, from its own venv
 # (GUIDELLM_VENV, made here with the same CPU torch wheel as .venv; never this one), on a Strata stack of the
-# bench model: /v1/completions streamed, 256-token synthetic prompts -> 64 tokens at concurrency 1, 4 and 16,
+# bench model (its worker on one torch thread: the client shares the cores): /v1/completions streamed, 256-token synthetic prompts -> 64 tokens at concurrency 1, 4 and 16,
 # 45 s each (~3 min; not in `make test`). Writes GuideLLM's raw report docs/bench/guidellm.json and
 # docs/bench/clients.json, prints the table of docs/benchmarks.md.
 GUIDELLM_VERSION := 0.8.1

@@ -3,7 +3,8 @@
     make bench-clients      (python -m benchmarks.clients --guidellm .venv-guidellm/bin/guidellm)
 
 Starts a Strata stack (``start_stack``: etcd, kvstore, worker, scheduler, tokenizer with its OpenAI
-HTTP front) on ``--model`` and points GuideLLM's ``openai_http`` backend at it: ``/v1/completions``,
+HTTP front) on ``--model``, its worker on ``--worker-threads`` torch threads (1: GuideLLM shares the
+machine's cores), and points GuideLLM's ``openai_http`` backend at it: ``/v1/completions``,
 streamed, synthetic prompts of ``--prompt-tokens`` tokens (GuideLLM's own generator, counted with
 the model's tokenizer) asking for ``--output-tokens`` tokens each (it sends ``ignore_eos``), at each
 concurrency of ``--streams`` for ``--seconds`` seconds. GuideLLM runs from its own venv, never this
@@ -145,11 +146,12 @@ def guidellm_version(guidellm: Path) -> str:
     return out.stdout.strip().rsplit(" ", 1)[-1]
 
 
-def run(model: Path, guidellm: Path, w: Workload, out: Path, summary: Path, run_dir: Path) -> list[Row]:
+def run(model: Path, guidellm: Path, w: Workload, out: Path, summary: Path, run_dir: Path,
+        worker_threads: int = 1) -> list[Row]:
     version = guidellm_version(guidellm)
     print(f"GuideLLM {version} ({guidellm}) against Strata on {model}")
     up = start_stack(model.resolve(), free_port(), run_dir / "stack", http_port=free_port(),
-                     worker_args=("--kv-cache-bytes", "512MiB", "--max-rows", "64"),
+                     worker_args=("--kv-cache-bytes", "512MiB", "--max-rows", "64", "--threads", str(worker_threads)),
                      say=lambda line: print("  " + line))  # fmt: skip
     try:
         target = up.child("tokenizer").extra["http"].removeprefix("http://").removesuffix("/v1")
@@ -176,7 +178,7 @@ def run(model: Path, guidellm: Path, w: Workload, out: Path, summary: Path, run_
     rows = summarize(json.loads(out.read_text()))
     summary.write_text(json.dumps({
         "tool": f"guidellm {version}", "model": model.name, "workload": asdict(w), "wall_s": round(wall, 1),
-        "cpu_s": cpu, "cores": os.cpu_count(), "loadavg_1m_start_end": load,
+        "worker_threads": worker_threads, "cpu_s": cpu, "cores": os.cpu_count(), "loadavg_1m_start_end": load,
         "report": str(out.relative_to(ROOT)) if out.resolve().is_relative_to(ROOT) else str(out),
         "rows": [asdict(r) for r in rows],
     }, indent=1) + "\n")  # fmt: skip
@@ -196,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-tokens", type=int, default=d.output_tokens)
     p.add_argument("--streams", default=",".join(map(str, d.streams)), help="concurrencies, comma-separated")
     p.add_argument("--seconds", type=float, default=d.seconds, help="per concurrency")
+    p.add_argument("--worker-threads", type=int, default=1, help=(
+        "the worker's torch threads; 0 = one per core. 1 by default: the client runs on the same cores, and "
+        "a worker with a thread per core then waits on whichever of its threads the client preempts"))
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "guidellm.json")
     p.add_argument("--summary", type=Path, default=ROOT / "docs" / "bench" / "clients.json")
     p.add_argument("--run-dir", type=Path, default=None)
@@ -203,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     w = Workload(a.prompt_tokens, a.output_tokens, tuple(int(s) for s in a.streams.split(",")), a.seconds)
     run_dir = a.run_dir or Path(tempfile.mkdtemp(prefix="strata-bench-clients-"))
     run_dir.mkdir(parents=True, exist_ok=True)
-    rows = run(a.model, a.guidellm, w, a.out, a.summary, run_dir)
+    rows = run(a.model, a.guidellm, w, a.out, a.summary, run_dir, a.worker_threads)
     return 0 if rows and all(r.requests and not r.errored for r in rows) else 1
 
 
