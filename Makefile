@@ -57,15 +57,16 @@ bench-servers: install $(BENCH_MODEL)/config.json
 	  -c constraints.txt -e '.[bench]' --config-settings editable_mode=compat
 	$(BIN)/strata bench --only servers --model $(BENCH_MODEL) --run-dir .runs/bench-servers
 
-# Strata HTTP vs vLLM's CPU build, token ids on both sides, 3 alternated repeats: shared prefix, random
-# and a long agent context on the bench model, then the control plane (256 streams x 256 tokens) on
-# the null model (~25 min on 2 cores). vLLM runs from its own venv, never this one: VLLM_PYTHON
-# (default $STRATA_VLLM_PYTHON) is its python; without one the part is skipped. Writes
-# docs/bench/servers_vllm.json and prints the tables.
+# Strata HTTP vs vLLM's CPU build, token ids on both sides, 3 alternated repeats: shared prefix, random,
+# a long agent context and one stream on the bench model, then the control plane (256 streams x 256
+# tokens) on the null model (~10 min on 2 cores; VLLM_WORKLOADS=agent,single runs some of them). vLLM
+# runs from its own venv, never this one: VLLM_PYTHON (default $STRATA_VLLM_PYTHON) is its python;
+# without one the part is skipped. Writes docs/bench/servers_vllm.json and prints the tables.
 VLLM_PYTHON ?= $(STRATA_VLLM_PYTHON)
+VLLM_WORKLOADS ?= shared,random,agent,single,control
 bench-vllm: install $(BENCH_MODEL)/config.json $(NULL_MODEL)/config.json
 	$(BIN)/strata bench --only servers --peer vllm --vllm-python "$(VLLM_PYTHON)" --model $(BENCH_MODEL) \
-	  --null-model $(NULL_MODEL) --run-dir .runs/bench-vllm
+	  --null-model $(NULL_MODEL) --vllm-workloads "$(VLLM_WORKLOADS)" --run-dir .runs/bench-vllm
 
 # lm-evaluation-harness (issue #28): its `local-completions` model against a Strata stack vs its `hf` backend
 # on the tiny checkpoint, a loglikelihood task over a committed jsonl (benchmarks/lm_eval/, nothing downloaded);
