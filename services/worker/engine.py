@@ -28,6 +28,7 @@ for the row; it must therefore list the whole prompt and prior output).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import Counter
@@ -70,6 +71,7 @@ from services.worker.host_ops import HostOpRunner, L3Port
 from services.worker.host_states import HostStatePool
 from services.worker.kv_budget import auto_kv_bytes
 from services.worker.loader import LoadedModel, fingerprint, load_model
+from services.worker.models.qwen3 import DenseConfig
 from services.worker.models.registry import CausalLM
 from services.worker.pool_backing import BackingChoice, choose_backing
 from services.worker.pools import KVPool, ReqToTokenTable
@@ -132,10 +134,10 @@ class Engine:
                 log.warning("pools cannot grow beyond their starting size on %s: %s", device, backing.reason)
             kv_max = mamba_max = 0  # a fixed allocation of the whole reservation would be wasted
         target_slot = KVPool.slot_bytes(model.num_kv_layers, model.num_kv_heads, model.head_dim, dtype)
-        # The MTP head's one attention layer keeps KV at the target's slots (services/worker/mtp.py):
-        # the KV budget and the bytes per slot the scheduler plans with cover both pools.
-        self._head_slot = KVPool.slot_bytes(1, model.num_kv_heads, model.head_dim, dtype) if cfg.mtp else 0
-        slot_bytes = target_slot + self._head_slot
+        # A drafter keeps KV at the target's slots in a pool of its own (services/worker/draft.py): the
+        # KV budget and the bytes per slot the scheduler plans with cover both pools.
+        self._draft_slot = _draft_slot_bytes(cfg, model, dtype)
+        slot_bytes = target_slot + self._draft_slot
         kv_bytes = cfg.kv_cache_bytes or auto_kv_bytes(device, cfg.kv_mem_fraction, slot_bytes, cfg.max_rows * context)
         kv_bytes = tp.agree_min([kv_bytes])[0]  # the same slot indices on every rank
         self.kv = KVPool.from_budget(
@@ -318,8 +320,8 @@ class Engine:
         return result
 
     def _kv_committed_bytes(self) -> int:
-        """The KV pool's committed bytes, and the MTP head's pool's (counted in ``bytes_per_slot``)."""
-        if self._head_slot and self.draft is not None:
+        """The KV pool's committed bytes, and the drafter's pool's (counted in ``bytes_per_slot``)."""
+        if self._draft_slot and self.draft is not None:
             return self.kv.committed_bytes + self.draft.pool.kv.committed_bytes
         return self.kv.committed_bytes
 
@@ -567,6 +569,21 @@ def _host_tier(
             "host_state_share"
         ) from e
     return HostOpRunner(pool, l3, states=states, tp_rank=tp.rank, tp_size=tp.size)
+
+
+def _draft_slot_bytes(cfg: EngineConfig, model: CausalLM, dtype: torch.dtype) -> int:
+    """Bytes of one slot in the drafter's pool: the MTP head's one attention layer of the target's
+    shape, or every layer of the draft checkpoint (read from its config; its weights load later)."""
+    if cfg.mtp:
+        return KVPool.slot_bytes(1, model.num_kv_heads, model.head_dim, dtype)
+    if not cfg.draft_model:
+        return 0
+    path = Path(cfg.draft_model) / "config.json"
+    try:
+        d = DenseConfig.from_hf(json.loads(path.read_text()), qk_norm=False)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"speculative_draft_model {cfg.draft_model}: {e}") from e
+    return KVPool.slot_bytes(d.num_layers, d.num_kv_heads, d.head_dim, dtype)
 
 
 def _drafts(r: ReqInput) -> list[int]:

@@ -74,3 +74,17 @@ def test_worker_drafts_need_a_draft_model(tiny_qwen3: Path, tmp_path: Path) -> N
         eng.step(StepRequest(2, reqs=[ReqInput("r", 0, [7, 0, 0], 3, [3, 4, 5], num_draft=2, worker_drafts=True)]))
     with pytest.raises(ConfigError, match="speculative_draft_model"):
         WorkerConfig(model=str(tiny_qwen3), speculative_draft_model=str(tmp_path / "nothing")).validate()
+
+
+def test_the_kv_budget_covers_the_draft_pool(tiny_qwen3: Path) -> None:
+    """kv_cache_bytes holds the target's pool and the draft model's (every one of its layers per
+    slot, read from its config before its weights load): the bytes per slot the scheduler plans
+    with count both, and so do the committed bytes."""
+    budget = 1 << 20
+    plain, eng = _engine(tiny_qwen3, None, budget), _engine(tiny_qwen3, tiny_qwen3, budget)
+    assert eng.draft is not None
+    target, draft = plain.info.bytes_per_slot, eng.draft.pool.kv.bytes_per_slot
+    assert draft == target and eng.info.bytes_per_slot == target + draft  # the model as its own draft
+    assert eng.kv.num_slots == eng.draft.pool.kv.num_slots <= budget // (target + draft) < plain.kv.num_slots
+    result = eng.step(StepRequest(1))
+    assert result.kv_committed_bytes == eng.kv.committed_bytes + eng.draft.pool.kv.committed_bytes
