@@ -144,7 +144,7 @@ class Batcher:
             if id(req) not in decoding:  # a prefill chunk: its tokens go into the tree on commit
                 plan.prefills.append(req)
             ri = self._input(req, n, self._drafts.get(id(req), []))
-            if (fork := self.mem.planned(req)) is not None:
+            if (fork := self.mem.planned(req, req.computed)) is not None:
                 plan.forks.append((req, fork))
             if ri.mask_follows:
                 plan.late.append(req)
@@ -303,8 +303,6 @@ class Batcher:
             # or resumed: prompt + output so far.
             ri.history_ids = req.tokens(0, known)
         req.sent_history = True
-        req.mem.row_dirty = False
-        req.mem.planned_len = start + n
         return ri
 
     def late_masks(self, plan: Plan, vocab_size: int) -> LateMasks:
@@ -468,8 +466,7 @@ class Batcher:
     def _drop_aborted(self) -> None:
         for req in [r for r in self.waiting if r.aborted]:
             self.waiting.remove(req)
-            if req.mem.prefetch is not None:
-                req.mem.prefetch.abort()  # a fetch in flight still releases its pages on its ack
+            self.mem.drop(req)
             req.emit_abort()
         for req in [r for r in self.running if r.aborted]:
             self.finish(req, Finish.ABORT)

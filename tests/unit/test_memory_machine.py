@@ -147,8 +147,7 @@ class MemoryMachine(RuleBasedStateMachine):
         the forward of its last ``n`` tokens runs, and the step is committed."""
         ops = self.mem.take_ops([])
         if req is not None:
-            req.mem.planned_len = req.computed
-            self.mem.planned(req)
+            self.mem.planned(req, req.computed)
         results = self.pools.run(ops)
         if req is not None:
             start = req.computed - n

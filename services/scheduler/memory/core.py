@@ -215,10 +215,19 @@ class Memory:
         return self.slots.available + self.tree.evictable_size
 
     # -- the step -------------------------------------------------------------------------------
-    def planned(self, req: Req) -> Fork | None:
-        """The step being planned brings ``req`` to ``req.mem.planned_len``: fork its state there if
-        that is a checkpoint (returns the fork to commit with the step)."""
-        return None if self.states is None else self.states.planned(req, req.mem.planned_len)
+    def planned(self, req: Req, end: int) -> Fork | None:
+        """The step being planned brings ``req`` to ``end`` tokens and sends its row (no longer
+        dirty): fork its state there if that is a checkpoint (returns the fork to commit with the
+        step)."""
+        req.mem.planned_len = end
+        req.mem.row_dirty = False
+        return None if self.states is None else self.states.planned(req, end)
+
+    def drop(self, req: Req) -> None:
+        """``req`` leaves the queue before admission: stop its L3 prefetch (a fetch in flight still
+        releases its pages on its ack)."""
+        if req.mem.prefetch is not None:
+            req.mem.prefetch.abort()
 
     def take_ops(self, resize: list[CacheOp]) -> list[CacheOp]:
         """The cache ops of the step being planned, ``resize`` (elastic pools) included."""

@@ -4,9 +4,9 @@ it composes) at each point of the request's life, read by the batcher to build t
     slots:  [ the tree's, locked by ``lock`` | the request's own ]
             0                        cache_len                  len(slots) = tokens with KV
 
-The batcher reads ``slots``, ``row`` and ``mamba_slot`` (what the worker's row and state are),
-moves ``planned_len`` and ``row_dirty`` as it plans and aborts a dropped request's ``prefetch``;
-everything else is ``Memory``'s alone (the server sets ``l3_pages`` at submission).
+The batcher reads ``slots``, ``row``, ``mamba_slot`` and ``row_dirty`` (what the worker's row and
+state are, and whether to resend the row); only ``Memory`` writes them (the server sets
+``l3_pages`` at submission).
 """
 
 from __future__ import annotations
