@@ -36,7 +36,7 @@ def _mem(loop: SchedulerLoop) -> Memory:
 
 
 def _tombstones(cache: PrefixTree) -> int:
-    n, stack = 0, list(cache._roots.values())
+    n, stack = 0, list(cache.books.roots.values())
     while stack:
         node: TreeNode = stack.pop()
         n += node.parent is not None and node.state is None and bool(node.children)

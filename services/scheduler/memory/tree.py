@@ -62,6 +62,7 @@ from services.scheduler.memory.tree_node import (
     FreeStates,
     InsertResult,
     OnRemove,
+    TreeBooks,
     TreeMatch,
     TreeNode,
     owned,
@@ -104,11 +105,7 @@ class PrefixTree(PrefixCache):
         self.keep = keep  # False: cache off (see the module docstring)
         self._free_states = free_states
         self.on_event = on_event
-        self._roots: dict[str, TreeNode] = {}
-        self._leaves: set[TreeNode] = set()  # childless non-root nodes: KV eviction candidates
-        self._stateful: set[TreeNode] = set()  # nodes with a state: state eviction candidates
-        self._evictable = self._protected = 0
-        self._state_evictable = self._state_protected = 0
+        self.books = TreeBooks()  # the roots, the candidate sets and the counts (tree_evict, tree_check)
         self._tick = 0  # logical clock: deterministic, never ties between operations
         self._detached_root = TreeNode(array("i"), [], None, "")  # the handle of a miss on a rootless extra
         self.on_remove: OnRemove | None = None
@@ -118,7 +115,7 @@ class PrefixTree(PrefixCache):
     def match(self, key: CacheKey, *, touch: bool = True) -> TreeMatch:
         """The longest usable prefix of `key` (whole pages; with states, up to the deepest state).
         `touch=False` only looks: no recency, no hit counted (the tree may still split an edge)."""
-        root = self._roots.get(key.extra)
+        root = self.books.roots.get(key.extra)
         ps = self.page_size
         if root is None or len(key.tokens) < ps:
             return TreeMatch([], self._detached_root if root is None else root, None, 0)
@@ -156,7 +153,7 @@ class PrefixTree(PrefixCache):
     def kv_path(self, key: CacheKey) -> list[int]:
         """The KV slots the tree holds for `key`'s leading whole pages, through tombstones and into
         an edge (`TreeMatch.kv_len` of them); changes nothing, not even recency."""
-        root = self._roots.get(key.extra)
+        root = self.books.roots.get(key.extra)
         if root is None:
             return []
         tokens = as_array(key.tokens)
@@ -173,21 +170,21 @@ class PrefixTree(PrefixCache):
 
     @property
     def evictable_size(self) -> int:
-        return self._evictable
+        return self.books.evictable
 
     @property
     def protected_size(self) -> int:
-        return self._protected
+        return self.books.protected
 
     @property
     def state_evictable(self) -> int:
         """States held by the tree whose node is not locked."""
-        return self._state_evictable
+        return self.books.state_evictable
 
     @property
     def state_protected(self) -> int:
         """States held by the tree whose node is locked (a request is copying from it)."""
-        return self._state_protected
+        return self.books.state_protected
 
     # -- mutations ------------------------------------------------------------------------------
 
@@ -203,22 +200,22 @@ class PrefixTree(PrefixCache):
             raise ValueError("insert: a state slot for a tree without states")
         if not self.keep:  # cache off: keep nothing, free what would have been cached
             n = self.aligned_len(len(slots))
-            tree_evict.release(self, owned(slots[:n]) if n else [], [] if state is None else [state])
+            self.free(owned(slots[:n]) if n else [], [] if state is None else [state])
             return InsertResult(0, False)
         tokens = as_array(key.tokens)
         n = self.aligned_len(len(tokens))
         # A state describes the position after the key's last token: only a node end can hold it.
         attach = not self.has_states or (state is not None and n == len(tokens) and n > 0)
         if state is not None and not attach:
-            tree_evict.release(self, [], [state])
+            self.free([], [state])
         if n == 0:
             return InsertResult(0, False)
-        root = self._roots.get(key.extra)
+        root = self.books.roots.get(key.extra)
         if root is None:
             if not attach:
                 self._free_slots(owned(slots[:n]))
                 return InsertResult(0, False)
-            root = self._roots[key.extra] = TreeNode(array("i"), [], None, key.extra)
+            root = self.books.roots[key.extra] = TreeNode(array("i"), [], None, key.extra)
         node, pos, partial, m = self._descend(root, tokens, n)
         self._tick += 1
         end = pos + m
@@ -232,9 +229,9 @@ class PrefixTree(PrefixCache):
         if end < n:
             leaf = TreeNode(tokens[end:n], owned(slots[end:n]), node, key.extra)
             node.children[child_key(leaf.key, 0, self.page_size)] = leaf
-            self._leaves.discard(node)
-            self._leaves.add(leaf)
-            self._evictable += n - end
+            self.books.leaves.discard(node)
+            self.books.leaves.add(leaf)
+            self.books.evictable += n - end
             node = leaf
             if self.on_event is not None:
                 self.on_event(CacheEvent("insert", key.extra, end, tokens[:n]))
@@ -243,14 +240,14 @@ class PrefixTree(PrefixCache):
             return InsertResult(end, False)
         node.state_access = self._tick
         if node.state is not None:
-            tree_evict.release(self, [], [state])  # the tree already has this state: the fork is surplus
+            self.free([], [state])  # the tree already has this state: the fork is surplus
             return InsertResult(end, False)
         node.state = state  # a new leaf, a split point, or a tombstone revived
-        self._stateful.add(node)
+        self.books.stateful.add(node)
         if node.own_lock:
-            self._state_protected += 1
+            self.books.state_protected += 1
         else:
-            self._state_evictable += 1
+            self.books.state_evictable += 1
         return InsertResult(end, True)
 
     def lock(self, node: CacheHandle) -> None:
@@ -261,11 +258,11 @@ class PrefixTree(PrefixCache):
             raise ValueError("lock of a node without a state (lock right after match)")
         cur.own_lock += 1
         if self.has_states and cur.own_lock == 1:
-            self._state_evictable -= 1
-            self._state_protected += 1
+            self.books.state_evictable -= 1
+            self.books.state_protected += 1
         newly = lock_path(cur)
-        self._evictable -= newly
-        self._protected += newly
+        self.books.evictable -= newly
+        self.books.protected += newly
 
     def unlock(self, node: CacheHandle) -> None:
         cur = self._node(node)
@@ -275,11 +272,11 @@ class PrefixTree(PrefixCache):
             raise ValueError("unlock of a handle that is not locked")
         cur.own_lock -= 1
         if self.has_states and cur.own_lock == 0:
-            self._state_evictable += 1
-            self._state_protected -= 1
+            self.books.state_evictable += 1
+            self.books.state_protected -= 1
         released = unlock_path(cur)
-        self._evictable += released
-        self._protected -= released
+        self.books.evictable += released
+        self.books.protected -= released
 
     def evict(self, n: int) -> int:
         """Free at least n KV slots when that many are evictable (unlocked leaves in `eviction`
@@ -290,6 +287,14 @@ class PrefixTree(PrefixCache):
         """Free up to n unlocked states in `state_policy` order; returns the number freed. An inner
         node keeps its KV as a tombstone; a leaf goes entirely (and tombstones it leaves childless)."""
         return tree_evict.evict_states(self, n)
+
+    def free(self, kv: list[int], states: list[int]) -> None:
+        """Give KV slots and state slots that leave the tree back to their allocators."""
+        if kv:
+            self._free_slots(kv)
+        if states:
+            assert self._free_states is not None
+            self._free_states(states)
 
     def sanity_check(self) -> None:
         from services.scheduler.memory.tree_check import check_tree

@@ -17,7 +17,7 @@ def check_tree(t: PrefixTree) -> None:
     evictable = protected = s_evictable = s_protected = leaves = stateful = 0
     seen_kv: set[int] = set()
     seen_states: set[int] = set()
-    for extra, root in t._roots.items():
+    for extra, root in t.books.roots.items():
         check(root.parent is None and not root.key and root.extra == extra, "malformed root")
         check(root.state is None and root.own_lock == 0, "a root holds a state or a lock")
         check(bool(root.children), f"empty root kept for extra {extra!r}")
@@ -45,9 +45,9 @@ def check_tree(t: PrefixTree) -> None:
             before = len(seen_kv)
             seen_kv.update(node.value)
             check(len(seen_kv) == before + len(node.value), "a KV slot is cached twice")
-            check((not node.children) == (node in t._leaves), "leaf set out of date")
+            check((not node.children) == (node in t.books.leaves), "leaf set out of date")
             leaves += not node.children
-            check((node.state is not None) == (node in t._stateful), "stateful set out of date")
+            check((node.state is not None) == (node in t.books.stateful), "stateful set out of date")
             if not t.has_states:
                 check(node.state is None, "a state in a tree without states")
                 continue
@@ -62,9 +62,9 @@ def check_tree(t: PrefixTree) -> None:
                 s_protected += 1
             else:
                 s_evictable += 1
-    check(leaves == len(t._leaves), "leaf set holds removed nodes")
-    check(stateful == len(t._stateful), "stateful set holds removed nodes")
-    check(evictable == t._evictable, f"evictable {t._evictable} != recount {evictable}")
-    check(protected == t._protected, f"protected {t._protected} != recount {protected}")
-    check(s_evictable == t._state_evictable, f"state_evictable {t._state_evictable} != {s_evictable}")
-    check(s_protected == t._state_protected, f"state_protected {t._state_protected} != {s_protected}")
+    check(leaves == len(t.books.leaves), "leaf set holds removed nodes")
+    check(stateful == len(t.books.stateful), "stateful set holds removed nodes")
+    check(evictable == t.books.evictable, f"evictable {t.books.evictable} != recount {evictable}")
+    check(protected == t.books.protected, f"protected {t.books.protected} != recount {protected}")
+    check(s_evictable == t.books.state_evictable, f"state_evictable {t.books.state_evictable} != {s_evictable}")
+    check(s_protected == t.books.state_protected, f"state_protected {t.books.state_protected} != {s_protected}")

@@ -1,7 +1,7 @@
 """Eviction from the prefix tree (``tree.py``): KV leaves in the tree's ``eviction`` order, states
 in its ``state_policy`` order, and the removal of a leaf with the tombstones it leaves childless.
-Kept apart so the tree's matching and insertion read without it; it works on the tree's books on
-purpose (as ``tree_check`` does)."""
+Kept apart so the tree's matching and insertion read without it; it works on the tree's
+``books`` (``tree_node.TreeBooks``), as ``tree_check`` does."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def evict(t: PrefixTree, n: int) -> int:
     if n <= 0:
         return 0
     order = itertools.count()  # tie-breaker: nodes themselves are not comparable
-    heap = [(_priority(t, lf), next(order), lf) for lf in t._leaves if lf.lock_ref == 0]
+    heap = [(_priority(t, lf), next(order), lf) for lf in t.books.leaves if lf.lock_ref == 0]
     heapq.heapify(heap)
     kv: list[int] = []
     states: list[int] = []
@@ -34,7 +34,7 @@ def evict(t: PrefixTree, n: int) -> int:
         up = _remove_leaf(t, heapq.heappop(heap)[-1], kv, states)
         if up is not None and up.lock_ref == 0:
             heapq.heappush(heap, (_priority(t, up), next(order), up))
-    release(t, kv, states)
+    t.free(kv, states)
     return len(kv)
 
 
@@ -43,7 +43,7 @@ def evict_states(t: PrefixTree, n: int) -> int:
     node keeps its KV as a tombstone; a leaf goes entirely (and tombstones it leaves childless)."""
     if n <= 0 or not t.has_states:
         return 0
-    cands = [nd for nd in t._stateful if nd.own_lock == 0]
+    cands = [nd for nd in t.books.stateful if nd.own_lock == 0]
     ranked = state_eviction_order(
         [c.state_access for c in cands], [c.depth for c in cands], t.state_policy, t.marconi_alpha
     )
@@ -57,11 +57,11 @@ def evict_states(t: PrefixTree, n: int) -> int:
                 t.on_remove(node.extra, path_tokens(node), node.depth, [], node.state)
             states.append(node.state)
             node.state = None
-            t._stateful.discard(node)
-            t._state_evictable -= 1
+            t.books.stateful.discard(node)
+            t.books.state_evictable -= 1
         else:
             _remove_leaf(t, node, kv, states)
-    release(t, kv, states)
+    t.free(kv, states)
     return len(states)
 
 
@@ -87,31 +87,24 @@ def _remove_leaf(t: PrefixTree, leaf: TreeNode, kv: list[int], states: list[int]
         kv.extend(node.value)
         if node.state is not None:
             states.append(node.state)
-            t._stateful.discard(node)
-            t._state_evictable -= 1
+            t.books.stateful.discard(node)
+            t.books.state_evictable -= 1
         del parent.children[child_key(node.key, 0, t.page_size)]
-        t._leaves.discard(node)
-        t._evictable -= len(node.key)
+        t.books.leaves.discard(node)
+        t.books.evictable -= len(node.key)
         # Drop references so a stale handle pins no memory.
         node.evicted, node.parent, node.key, node.value, node.state = True, None, array("i"), [], None
         if parent.parent is None:
             if not parent.children:
-                del t._roots[parent.extra]
+                del t.books.roots[parent.extra]
             return None
         if parent.children:
             return None
-        t._leaves.add(parent)
+        t.books.leaves.add(parent)
         if not t.has_states or parent.state is not None:
             return parent
         # A childless tombstone would be a leaf without a state. It cannot be locked: a lock
         # sits at a node with a state, and every lock below it left with its child.
-        t._leaves.discard(parent)
+        t.books.leaves.discard(parent)
         node = parent
 
-
-def release(t: PrefixTree, kv: list[int], states: list[int]) -> None:
-    if kv:
-        t._free_slots(kv)
-    if states:
-        assert t._free_states is not None
-        t._free_states(states)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from services.scheduler.memory.base import CacheHandle
@@ -37,6 +38,22 @@ class TreeNode(CacheHandle):
         self.state_access = 0
         self.hits = 0
         self.evicted = False
+
+
+@dataclass(slots=True)
+class TreeBooks:
+    """What a ``PrefixTree`` keeps about its nodes besides the nodes: its roots (one per extra key),
+    the eviction candidates and the sizes of its invariant (``free + evictable + protected ==
+    size``). ``tree.py`` keeps them as it matches, inserts and locks, ``tree_evict.py`` as it
+    removes nodes, and ``tree_check.py`` recounts them from the nodes."""
+
+    roots: dict[str, TreeNode] = field(default_factory=dict)
+    leaves: set[TreeNode] = field(default_factory=set)  # childless non-root nodes: KV eviction candidates
+    stateful: set[TreeNode] = field(default_factory=set)  # nodes with a state: state eviction candidates
+    evictable: int = 0  # KV slots in unlocked nodes
+    protected: int = 0  # KV slots in locked nodes
+    state_evictable: int = 0
+    state_protected: int = 0
 
 
 class TreeMatch(NamedTuple):
