@@ -136,8 +136,7 @@ class Engine:
         target_slot = KVPool.slot_bytes(model.num_kv_layers, model.num_kv_heads, model.head_dim, dtype)
         # A drafter keeps KV at the target's slots in a pool of its own (services/worker/draft.py): the
         # KV budget and the bytes per slot the scheduler plans with cover both pools.
-        self._draft_slot = _draft_slot_bytes(cfg, model, dtype)
-        slot_bytes = target_slot + self._draft_slot
+        slot_bytes = target_slot + _draft_slot_bytes(cfg, model, dtype)
         kv_bytes = cfg.kv_cache_bytes or auto_kv_bytes(device, cfg.kv_mem_fraction, slot_bytes, cfg.max_rows * context)
         kv_bytes = tp.agree_min([kv_bytes])[0]  # the same slot indices on every rank
         self.kv = KVPool.from_budget(
@@ -321,7 +320,7 @@ class Engine:
 
     def _kv_committed_bytes(self) -> int:
         """The KV pool's committed bytes, and the drafter's pool's (counted in ``bytes_per_slot``)."""
-        if self._draft_slot and self.draft is not None:
+        if self.draft is not None:
             return self.kv.committed_bytes + self.draft.pool.kv.committed_bytes
         return self.kv.committed_bytes
 
