@@ -8,7 +8,9 @@ under ``torch.profiler``; writes per batch: wall ms per step, device-busy ms per
 kernel times), kernels launched per step, the operators by self CPU time and by device time, and
 (``cProfile``, ``--steps`` more steps) the host's Python functions by their own time.
 A step whose wall time is far above its device time is bound by the host (Python, launches,
-synchronisations), not by the GPU. Runs on the CPU too (no device columns), at whatever sizes.
+synchronisations), not by the GPU. ``--fused off`` (or ``both``: each batch twice, alternated) runs
+the layers' torch chains instead of the fused Triton kernels (``kernels/fused_triton.py``), to
+measure what they save. Runs on the CPU too (no device columns), at whatever sizes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import time
 from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
+
+from kernels import fused_triton
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -79,6 +83,18 @@ def profile_decode(bench: StepBench, batch: int, steps: int, warmup: int) -> str
     return "\n".join(lines)
 
 
+def fused_off(off: bool) -> None:
+    """The layers take the fused Triton kernels where ``fused_triton.usable`` says so: off, never."""
+    fused_triton.usable = _never if off else _USABLE  # type: ignore[assignment]
+
+
+_USABLE = fused_triton.usable
+
+
+def _never(*tensors: object) -> bool:
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, required=True)
@@ -88,12 +104,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=1024, help="KV tokens per decoding request")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--fused", choices=("on", "off", "both"), default="on",
+                   help="the fused Triton kernels in the layers (both: each batch with them, then without)")
     p.add_argument("--out", type=Path, default=None, help="also write the report here")
     a = p.parse_args(argv)
     batches = tuple(int(x) for x in a.batches.split(",") if x)
     sizes = Sizes(batches=batches, context=a.context, prefill=a.context, steps=2 * a.steps, warmup=a.warmup)
     bench = StepBench(a.model, a.device, a.dtype, sizes)
-    report = "\n\n".join(profile_decode(bench, b, a.steps, a.warmup) for b in batches)
+    modes = {"on": (False,), "off": (True,), "both": (False, True)}[a.fused]
+    parts = []
+    for b in batches:
+        for off in modes:
+            fused_off(off)
+            parts.append(f"# fused Triton kernels {'off' if off else 'on'}\n" + profile_decode(bench, b, a.steps, a.warmup))
+    fused_off(False)
+    report = "\n\n".join(parts)
     print(report)
     if a.out is not None:
         a.out.write_text(report + "\n")
