@@ -104,8 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=1024, help="KV tokens per decoding request")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--fused", choices=("on", "off", "both"), default="on",
-                   help="the fused Triton kernels in the layers (both: each batch with them, then without)")
+    p.add_argument(
+        "--fused",
+        choices=("on", "off", "both"),
+        default="on",
+        help="the fused Triton kernels in the layers (both: each batch with them, then without)",
+    )
     p.add_argument("--out", type=Path, default=None, help="also write the report here")
     a = p.parse_args(argv)
     batches = tuple(int(x) for x in a.batches.split(",") if x)
@@ -116,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     for b in batches:
         for off in modes:
             fused_off(off)
-            parts.append(f"# fused Triton kernels {'off' if off else 'on'}\n" + profile_decode(bench, b, a.steps, a.warmup))
+            head = f"# fused Triton kernels {'off' if off else 'on'}\n"
+            parts.append(head + profile_decode(bench, b, a.steps, a.warmup))
     fused_off(False)
     report = "\n\n".join(parts)
     print(report)
