@@ -16,6 +16,7 @@ on the CPU (on a GPU both are CUDA's expf).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -65,8 +66,13 @@ def inputs(kind: str, *shape: int) -> torch.Tensor:
     return torch.randn(shape) * 3
 
 
-def bound(kind: str, dtype: torch.dtype) -> int:
-    return 0 if kind == "exact" else RANDOM_ULPS[dtype]
+def bound(kind: str, dtype: torch.dtype, width: int = 128) -> int:
+    """0 ulps on exact inputs, except one case measured on an H100: compiled for the GPU, fp32 over a
+    width that is not a power of two, the kernel and torch's CUDA rms_norm (the fp32 reference) are
+    2-3 ulps apart. The mean of such a width is not exact, and the two round it (or its rsqrt)
+    differently; on the CPU, under the interpreter, they agree bit for bit."""
+    odd_width_on_gpu = dtype == torch.float32 and width & (width - 1) and os.environ.get("TRITON_INTERPRET") != "1"
+    return RANDOM_ULPS[dtype] if kind == "random" or odd_width_on_gpu else 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -88,13 +94,13 @@ def cases_rms_norm() -> Results:
                 weight = (torch.randn(width) * (0.1 if unit_offset else 1.0)).to(dtype)
                 ref = rms_norm(x, weight, 1e-6, unit_offset, impl="torch")
                 tri = rms_norm(x, weight, 1e-6, unit_offset, impl="triton")
-                out[f"rms_norm/{tag}"] = (ulps(tri, ref), bound(kind, dtype))
+                out[f"rms_norm/{tag}"] = (ulps(tri, ref), bound(kind, dtype, width))
                 # add: exact inputs stay exact (their sum is a multiple of 1/4 up to 4).
                 residual = inputs(kind, 6, width).to(dtype)
                 x_ref, x_tri = x.clone(), x.clone()
                 ref = add_rms_norm_(x_ref, residual, weight, 1e-6, unit_offset, impl="torch")
                 tri = add_rms_norm_(x_tri, residual, weight, 1e-6, unit_offset, impl="triton")
-                out[f"add_rms_norm/{tag}"] = (ulps(tri, ref), bound(kind, dtype))
+                out[f"add_rms_norm/{tag}"] = (ulps(tri, ref), bound(kind, dtype, width))
                 out[f"add_rms_norm/{tag}/stream"] = (ulps(x_tri, x_ref), 0)  # one rounding: always exact
     # A row slice of a wider tensor (the leading stride is not the width).
     wide = inputs("exact", 5, 200)[:, :128]
@@ -132,8 +138,10 @@ def cases_rope() -> Results:
                 rms_norm_rope_(ref, weight, 1e-6, cos, sin, rot, unit_offset, impl="torch")
                 got = rms_norm_rope_(tri, weight, 1e-6, cos, sin, rot, unit_offset, impl="triton")
                 tag = f"rope/{name}/{str(dtype).removeprefix('torch.')}/{kind}"
-                measure = ulps if kind == "exact" else scaled_ulps
-                out[tag] = (measure(tri, ref) if got is tri else 1 << 30, bound(kind, dtype))
+                # A norm's last-bit change cancels in the rotary like a random input's.
+                limit = bound(kind, dtype, d if norm else 128)
+                measure = ulps if limit == 0 else scaled_ulps
+                out[tag] = (measure(tri, ref) if got is tri else 1 << 30, limit)
     # The query half of a fused [T, H, 2D] projection (Qwen3-Next's q): strided heads, gate untouched.
     d, rot = 64, 16
     cos, sin = RotaryEmbedding(d, rot, 10000.0).cos_sin(torch.arange(t))

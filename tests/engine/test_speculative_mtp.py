@@ -236,8 +236,11 @@ def test_head_logits_equal_transformers_layers(tiny_qwen3_next: Path) -> None:
         _, hidden = model.forward_hidden(ForwardBatch.build(inp, eng.device, eng.attn), eng._ctx)
         entries = BatchInput([0], [0], [ids[1:]], [list(range(n - 1))], None, [0])
         g = d.head(ForwardBatch.build(entries, eng.device, d.pool.attn), d.pool.ctx, hidden[:-1])
-        got = d.head.logits(g)
-    assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
+        got = d.head.logits(g).cpu()
+    # The hybrid's fp32 bar on a GPU is 2e-4 (test_engine_device.py: Triton kernels round otherwise
+    # than transformers on the CPU); on the CPU, 1e-4.
+    tol = 1e-4 if h.TEST_DEVICE == "cpu" else 2e-4
+    assert torch.allclose(got, want, atol=tol, rtol=0), (got - want).abs().max()
 
 
 def test_mtp_with_elastic_pools(tiny_qwen3_next: Path) -> None:
