@@ -17,8 +17,8 @@ default: with the wheels' install the whole call fits the device tool's 10-minut
 5. ``engine``   the engine against transformers on the device: test_engine_device.py (fp32 and bf16,
                 every cache path, both architectures, every attention path), test_engine_qwen3.py,
                 test_qwen3_next.py, the scheduler loop over it (test_scheduler_e2e.py,
-                test_hybrid_cache.py), and speculation (test_speculative.py,
-                test_speculative_mtp.py);
+                test_hybrid_cache.py), decode steps replayed from CUDA graphs
+                (test_cuda_graphs.py), and speculation (test_speculative.py, test_speculative_mtp.py);
 6. ``step``     benchmarks/gpu_step.py on the bench and 0.6b models in bf16: prefill 4k, decode at
                 batch 1 / 64 / 256, the attention kernels' bandwidth against the copy rate;
 7. ``control``  benchmarks/overhead.py: 256 streams × 256 tokens on the null model, the worker on the
@@ -66,6 +66,7 @@ TEST_PHASES: dict[str, tuple[tuple[str, ...], str]] = {
             "tests/engine/test_qwen3_next.py",
             "tests/engine/test_scheduler_e2e.py",
             "tests/engine/test_hybrid_cache.py",
+            "tests/engine/test_cuda_graphs.py",
             "tests/engine/test_speculative.py",
             "tests/engine/test_speculative_mtp.py",
         ),

@@ -10,7 +10,9 @@ kernel times), kernels launched per step, the operators by self CPU time and by 
 A step whose wall time is far above its device time is bound by the host (Python, launches,
 synchronisations), not by the GPU. ``--fused off`` (or ``both``: each batch twice, alternated) runs
 the layers' torch chains instead of the fused Triton kernels (``kernels/fused_triton.py``), to
-measure what they save. Runs on the CPU too (no device columns), at whatever sizes.
+measure what they save; ``--graphs off`` (or ``both``) runs the decode steps eagerly instead of
+replaying their CUDA graphs (services/worker/cuda_graphs.py). Runs on the CPU too (no device
+columns, no graphs), at whatever sizes.
 """
 
 from __future__ import annotations
@@ -110,19 +112,26 @@ def main(argv: list[str] | None = None) -> int:
         default="on",
         help="the fused Triton kernels in the layers (both: each batch with them, then without)",
     )
+    p.add_argument("--graphs", choices=("on", "off", "both"), default="on",
+                   help="the decode steps' CUDA graphs (both: each batch with them, then without)")
     p.add_argument("--out", type=Path, default=None, help="also write the report here")
     a = p.parse_args(argv)
     batches = tuple(int(x) for x in a.batches.split(",") if x)
     sizes = Sizes(batches=batches, context=a.context, prefill=a.context, steps=2 * a.steps, warmup=a.warmup)
     bench = StepBench(a.model, a.device, a.dtype, sizes)
-    modes = {"on": (False,), "off": (True,), "both": (False, True)}[a.fused]
+    modes = {"on": (False,), "off": (True,), "both": (False, True)}
+    graphs = bench.engine.graphs
     parts = []
     for b in batches:
-        for off in modes:
-            fused_off(off)
-            head = f"# fused Triton kernels {'off' if off else 'on'}\n"
-            parts.append(head + profile_decode(bench, b, a.steps, a.warmup))
+        for graphs_off in modes[a.graphs]:
+            for off in modes[a.fused]:
+                fused_off(off)
+                bench.engine.graphs = None if graphs_off else graphs
+                used = "on" if bench.engine.graphs is not None else "off"
+                head = f"# fused Triton kernels {'off' if off else 'on'}, CUDA graphs {used}\n"
+                parts.append(head + profile_decode(bench, b, a.steps, a.warmup))
     fused_off(False)
+    bench.engine.graphs = graphs
     report = "\n\n".join(parts)
     print(report)
     if a.out is not None:

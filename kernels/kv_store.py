@@ -40,8 +40,8 @@ def _store_kv_kernel(
     # One program copies one BLOCK-wide piece of one token's [Hkv * D] row into its slot's row.
     tok = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < ROW
     slot = tl.load(slots + tok)
+    mask = (offs < ROW) & (slot >= 0)  # a negative slot: a padding token, dropped
     kv = tl.load(k + tok * stride_k_tok + offs, mask=mask)
     tl.store(k_cache + slot * ROW + offs, kv, mask=mask)
     vv = tl.load(v + tok * stride_v_tok + offs, mask=mask)
@@ -51,7 +51,11 @@ def _store_kv_kernel(
 def store_kv_torch(
     k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
-    """Reference: ``k_cache[slots] = k`` and ``v_cache[slots] = v``."""
+    """Reference: ``k_cache[slots] = k`` and ``v_cache[slots] = v``; negative slots dropped (a host
+    sync when any is present: the graphed decode that pads with them runs the Triton kernel)."""
+    if slots.numel() and int(slots.min()) < 0:
+        keep = slots >= 0
+        slots, k, v = slots[keep], k[keep], v[keep]
     k_cache.index_copy_(0, slots, k)
     v_cache.index_copy_(0, slots, v)
 
@@ -80,7 +84,8 @@ def store_kv(
 
     Args:
         k_cache, v_cache: ``[S, Hkv, D]`` contiguous pools of one layer (fp16, bf16 or fp32).
-        slots: ``[T]`` int64 slot of each new token; slots must be distinct and ``< S``.
+        slots: ``[T]`` int64 slot of each new token; slots must be distinct and ``< S``. A negative
+            slot drops its token (the padding rows of a graphed decode, services/worker/cuda_graphs.py).
         k, v: ``[T, Hkv, D]`` in the caches' dtype. Their ``[Hkv, D]`` rows must be dense, the token
             stride is free (a slice of a fused projection is fine).
         impl: ``auto`` runs the Triton kernel on CUDA tensors and the torch reference otherwise.

@@ -54,6 +54,12 @@ class AttentionMeta:
     groups: PrefixGroups | None = None
     plan: AttentionPlan | None = None
 
+    @property
+    def empty(self) -> bool:
+        """Nothing planned: the forward's attention depends on its tensors alone (what a CUDA graph
+        can replay, services/worker/cuda_graphs.py)."""
+        return self.groups is None and self.plan is None
+
 
 NO_META = AttentionMeta()
 

@@ -105,9 +105,11 @@ class ForwardBatch:
         device: torch.device,
         attn: AttentionBackend,
         all_logits: bool = False,
+        meta: AttentionMeta | None = None,
     ) -> ForwardBatch:
         """Flatten ``inp`` (at least one request, each with >= 1 token, validated by the caller) and
-        plan its attention with ``attn`` (``req_to_token`` must already hold this step's slots).
+        plan its attention with ``attn`` (``req_to_token`` must already hold this step's slots), or
+        take ``meta``, the plan ``attn.prepare`` already made for it.
 
         ``all_logits`` asks for the logits of every new token (exactness tests); otherwise the last
         ``want_logits[b]`` tokens of request b get logits.
@@ -150,7 +152,7 @@ class ForwardBatch:
             mamba_slots=None if inp.mamba_slots is None else t(inp.mamba_slots),
             start_pos_list=start,
             extend_lens_list=lens,
-            attn=attn.prepare(rows, start, lens),
+            attn=attn.prepare(rows, start, lens) if meta is None else meta,
         )
 
 

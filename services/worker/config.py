@@ -50,6 +50,9 @@ class WorkerConfig:
         "attention path: cascade = requests sharing a cached prefix attend to it once per group; flat = "
         "each request on its own; reference = the slow torch reference (for comparison)"))
     threads: int = field(default=0, metadata=_h("torch threads for the forward; 0 = one per core"))
+    cuda_graph_max_batch: int = field(default=256, metadata=_h(
+        "CUDA devices: decode steps of up to this many requests replay a CUDA graph per batch size "
+        "(recorded on first use) instead of launching each kernel; 0 = off. No effect on the CPU"))
     speculative_draft_model: str = field(default="", metadata=_h(
         "speculative decoding: a smaller checkpoint with the same tokenizer that drafts tokens (the "
         "scheduler's --speculative-algorithm draft); its KV takes a pool of its own with the target's slots"))
@@ -99,6 +102,8 @@ class WorkerConfig:
             raise ConfigError(f"host_state_share: must be > 0 and < 1, got {self.host_state_share}")
         if self.threads < 0:
             raise ConfigError("threads: must be >= 0 (0 = one per core)")
+        if self.cuda_graph_max_batch < 0:
+            raise ConfigError(f"cuda_graph_max_batch: must be >= 0 (0 = off), got {self.cuda_graph_max_batch}")
         if self.tp < 1:
             raise ConfigError(f"tp: must be >= 1, got {self.tp}")
         if self.speculative_draft_model:

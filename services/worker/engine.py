@@ -61,8 +61,9 @@ from services.common.step import (
     TokenLogprob,
     WorkerInfo,
 )
-from services.worker.attention import attention_backend
+from services.worker.attention import AttentionMeta, TritonAttention, attention_backend
 from services.worker.batch import BatchInput, ForwardBatch, ForwardContext, int64_tensor
+from services.worker.cuda_graphs import DecodeGraphs, cuda_capture
 from services.worker.draft import Drafter, DraftModel
 from services.worker.engine_config import DTYPES, EngineConfig
 from services.worker.host_cache import HostPool
@@ -119,6 +120,7 @@ class Engine:
         self.attn = attention_backend(cfg.attention, self.kv, self.req_to_token)  # chosen once, here
         self._ctx = ForwardContext(self.attn, self.mamba)
         self.draft = self._drafter(model_dir, loaded, dtype)
+        self.graphs = self._decode_graphs()
         self._last_sample: dict[int, int] = {}
         self._row_len: dict[int, int] = {}
         self._history: dict[int, list[int]] = {}
@@ -210,6 +212,16 @@ class Engine:
         return None
 
     # -- public ----------------------------------------------------------------------------------
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs for decode steps (cuda_graphs.py) where they apply: a CUDA device, the Triton
+        attention backend, a model without Mamba state, one rank, ``cuda_graph_max_batch`` > 0."""
+        cfg = self.cfg
+        if not (cfg.cuda_graph_max_batch and self.device.type == "cuda" and isinstance(self.attn, TritonAttention)
+                and self.mamba is None and self.tp.size == 1):  # fmt: skip
+            return None
+        max_batch = min(cfg.cuda_graph_max_batch, cfg.max_rows)
+        return DecodeGraphs(self.model, self._ctx, self.device, max_batch, cuda_capture(torch.cuda.graph_pool_handle()))
 
     def step(self, req: StepRequest, late_masks: Callable[[], LateMasks] | None = None) -> StepResult:
         """Validate, run ops, forward and sample. ``StepError`` leaves every pool untouched.
@@ -424,7 +436,12 @@ class Engine:
         return BatchInput(rows, start, ids, new_slots, mamba or None, want_logits(reqs))
 
     def _run(self, inp: BatchInput, all_logits: bool) -> torch.Tensor:
-        batch = ForwardBatch.build(inp, self.device, self.attn, all_logits=all_logits)
+        meta: AttentionMeta | None = None
+        if self.graphs is not None and not all_logits and self.graphs.fits(inp):
+            meta = self.attn.prepare(inp.rows, inp.start_pos, [1] * len(inp.rows))
+            if meta.empty:  # e.g. no prefix group formed: the flat decode, replayable
+                return self.graphs.run(inp)
+        batch = ForwardBatch.build(inp, self.device, self.attn, all_logits=all_logits, meta=meta)
         return self.model.forward(batch, self._ctx)
 
     def _run_target(self, inp: BatchInput, all_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

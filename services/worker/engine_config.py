@@ -58,6 +58,8 @@ class EngineConfig:
     host_state_share: float = 0.25
     attention: AttentionPath = "cascade"
     threads: int = 0  # torch intra-op threads; 0 = torch's default (one per core)
+    # CUDA: decode batches of up to this many requests replay CUDA graphs (cuda_graphs.py); 0 = off.
+    cuda_graph_max_batch: int = 256
     draft_model: str = ""  # speculative decoding: a draft checkpoint with the target's tokenizer
     mtp: bool = False  # speculative decoding: draft with the checkpoint's own MTP head (Qwen3-Next)
 
@@ -89,6 +91,10 @@ class EngineConfig:
             )
         if self.threads < 0:
             raise ValueError(f"EngineConfig.threads must be >= 0 (0 = torch's default), got {self.threads}")
+        if self.cuda_graph_max_batch < 0:
+            raise ValueError(
+                f"EngineConfig.cuda_graph_max_batch must be >= 0 (0 = off), got {self.cuda_graph_max_batch}"
+            )
         if self.mtp and self.draft_model:
             raise ValueError("EngineConfig: draft with draft_model or with mtp, not both")
         if self.mamba_slots < 0:

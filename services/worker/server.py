@@ -179,6 +179,7 @@ def engine_config(cfg: WorkerConfig) -> EngineConfig:
         host_state_share=cfg.host_state_share,
         attention=cfg.attention,
         threads=cfg.threads,
+        cuda_graph_max_batch=cfg.cuda_graph_max_batch,
         draft_model=cfg.speculative_draft_model,
         mtp=cfg.speculative_mtp,
     )

@@ -64,6 +64,18 @@ def test_store_kv_writes_rows_at_slots_and_nothing_else() -> None:
     assert torch.equal(v_cache[untouched], before_v[untouched])
 
 
+def test_store_kv_drops_negative_slots() -> None:
+    """A negative slot is a padding token of a graphed decode (services/worker/cuda_graphs.py):
+    nothing is written for it, and the other tokens land where they should."""
+    k_cache, v_cache = torch.randn(8, 2, 4), torch.randn(8, 2, 4)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    k, v = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
+    store_kv(k_cache, v_cache, torch.tensor([-1, 5, -1]), k, v)
+    assert torch.equal(k_cache[5], k[1]) and torch.equal(v_cache[5], v[1])
+    others = torch.arange(8) != 5
+    assert torch.equal(k_cache[others], before_k[others]) and torch.equal(v_cache[others], before_v[others])
+
+
 # --------------------------------------------------------------------------------------------------
 # Attention
 # --------------------------------------------------------------------------------------------------
