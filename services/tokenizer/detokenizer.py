@@ -4,12 +4,23 @@ Decoding token by token breaks multi-byte characters and merges (a byte-level BP
 half a UTF-8 character), so the detokenizer decodes a short window of recent ids and emits only
 text that is complete (no trailing U+FFFD). Stop strings may straddle chunks, so text that could
 still become the start of a stop string is held back until it cannot.
+
+With the Rust tokenizer at hand (``backend``), the window is the ``tokenizers`` library's own
+``DecodeStream``: the same prefix / read-offset method in one call per chunk instead of two decodes
+and the slicing in Python (0.6 against 4.2 µs a token here, at one token a chunk). ``decode`` still
+serves the end of a stream (``flush``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tokenizers.decoders import DecodeStream
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -26,23 +37,38 @@ class Chunk:
 class IncrementalDetokenizer:
     """Feed ids as they arrive; get text once it is final."""
 
-    def __init__(self, decode: Decode, stop: Sequence[str] = (), prompt_tail: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        decode: Decode,
+        stop: Sequence[str] = (),
+        prompt_tail: Sequence[int] = (),
+        backend: Tokenizer | None = None,
+    ) -> None:
+        """``decode``: ids to text, special tokens skipped. ``backend``: the Rust tokenizer that
+        ``decode`` runs (then a ``DecodeStream`` keeps the window); ``None`` for any other."""
         self._decode = decode
         self._ids: list[int] = list(prompt_tail[-_CONTEXT_IDS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        self._stream = None if backend is None else (DecodeStream(list(self._ids), skip_special_tokens=True), backend)
         self._stop = tuple(stop)
         self._pending = ""  # decoded but not yet released (could start a stop string)
         self.text = ""  # everything released so far
         self.stopped = False
 
-    def _complete_text(self) -> str:
-        """New complete text since the last call, advancing the window."""
-        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset :])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""
-        new = full[len(prefix) :]
+    def _complete_text(self, ids: Sequence[int]) -> str:
+        """New complete text since the last call (``ids`` just appended), advancing the window."""
+        if self._stream is not None:
+            stream, backend = self._stream
+            new = stream.step(backend, list(ids))
+            if not new:
+                return ""
+        else:
+            prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            full = self._decode(self._ids[self._prefix_offset :])
+            if len(full) <= len(prefix) or full.endswith("\ufffd"):
+                return ""
+            new = full[len(prefix) :]
         self._prefix_offset = max(self._read_offset - _CONTEXT_IDS, self._prefix_offset)
         self._read_offset = len(self._ids)
         return new
@@ -51,7 +77,7 @@ class IncrementalDetokenizer:
         if self.stopped:
             return Chunk("", True)
         self._ids.extend(ids)
-        self._pending += self._complete_text()
+        self._pending += self._complete_text(ids)
         return self._release(final=False)
 
     def flush(self) -> Chunk:

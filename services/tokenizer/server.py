@@ -149,6 +149,7 @@ class StrataServicer(pgrpc.StrataServicer):
         backend = getattr(tokenizer, "backend_tokenizer", None)
         cleanup = getattr(tokenizer, "clean_up_tokenization_spaces", False)
         self._decode = backend.decode if backend is not None and not cleanup else tokenizer.decode  # type: ignore[attr-defined]
+        self._backend = backend if backend is not None and not cleanup else None  # the detokenizer's DecodeStream
 
     # -- helpers --------------------------------------------------------------------------------
     def decode(self, ids: Sequence[int]) -> str:
@@ -237,7 +238,7 @@ class StrataServicer(pgrpc.StrataServicer):
             attributes={"rpc.system": "grpc", "strata.request_id": rid},
         )
         trace_context = telemetry.inject_context(set_span_in_context(span))
-        detok = IncrementalDetokenizer(self.decode, gen.stop, prompt_tail=prepared.ids)
+        detok = IncrementalDetokenizer(self.decode, gen.stop, prompt_tail=prepared.ids, backend=self._backend)
         answer = Answer(rid, request.stream, len(prepared.ids), detok,
                         self.metrics.tokens if self.metrics is not None else None)  # fmt: skip
         inbox: Inbox | None = None
