@@ -39,6 +39,7 @@ class Plan:
     step: StepRequest
     reqs: list[Req]  # one per ReqInput, same order
     prefills: list[Req] = field(default_factory=list)  # inputs that were prefill chunks
+    prefill_tokens: int = 0  # their tokens (what makes a step long: overlap.py)
     late: list[Req] = field(default_factory=list)  # samples whose grammar mask is sent after commit
     sampled: list[Req] = field(default_factory=list)  # those with sample=True, in order
     drafts: list[int] = field(default_factory=list)  # per sampled request, its draft tokens (0: none)
@@ -143,6 +144,7 @@ class Batcher:
         for req, n in inputs:
             if id(req) not in decoding:  # a prefill chunk: its tokens go into the tree on commit
                 plan.prefills.append(req)
+                plan.prefill_tokens += n
             ri = self._input(req, n, self._drafts.get(id(req), []))
             if (fork := self.mem.planned(req, req.computed)) is not None:
                 plan.forks.append((req, fork))

@@ -46,6 +46,9 @@ class SchedulerConfig:
         "how long a request waits for a worker, also after its worker was lost (then UNAVAILABLE); "
         "above the worker's lease TTL (5 s) so a replacement can join"))
     overlap: bool = field(default=True, metadata=_h("plan the next step while the worker runs this one"))
+    overlap_ratio: float = field(default=20.0, metadata=_h(
+        "with overlap: not behind a step that prefills so much that overlap would hide less than 1/ratio of "
+        "it (a request arriving during it then waits one step less); 0 = behind every step"))
     mamba_policy: Literal["marconi", "lru"] = field(
         default="marconi", metadata=_h("hybrid models: which cached state to evict first")
     )
@@ -113,6 +116,8 @@ class SchedulerConfig:
             raise ConfigError("max_prefill_tokens: must be >= 1")
         if self.max_running < 1:
             raise ConfigError("max_running: must be >= 1")
+        if not self.overlap_ratio >= 0:
+            raise ConfigError(f"overlap_ratio: must be >= 0 (0 = pipeline behind every step), got {self.overlap_ratio}")
         if self.max_waiting < 0:
             raise ConfigError("max_waiting: must be >= 0 (0 = no limit)")
         if min(self.elastic_budget_bytes, self.elastic_idle_s, self.elastic_min_kv_slots) < 0:
@@ -155,6 +160,7 @@ class SchedulerConfig:
             worker_wait_s=self.worker_wait_s,
             check_invariants=self.check_invariants,
             overlap=self.overlap,
+            overlap_ratio=self.overlap_ratio,
             mamba_policy=self.mamba_policy,
             checkpoint_every=self.checkpoint_every,
             elastic_budget_bytes=self.elastic_budget_bytes,

@@ -27,6 +27,7 @@ from services.scheduler.cache_events import ROUTE_PAGE_TOKENS, CacheEventLog
 from services.scheduler.elastic_control import ElasticConfig, ElasticControl
 from services.scheduler.memory import HiConfig, MemoryConfig, build_memory
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.overlap import OverlapPolicy
 from services.scheduler.request import FailEvent, Finish, FinishEvent, Req
 from services.scheduler.speculative import SpecConfig, Speculator
 from services.scheduler.worker_link import WorkerGone, WorkerLink
@@ -48,6 +49,9 @@ class LoopConfig:
     worker_wait_s: float = 10.0
     check_invariants: bool = True
     overlap: bool = True  # plan step N+1 while the worker runs step N
+    # ... unless step N prefills enough that overlap would hide under 1/overlap_ratio of it
+    # (overlap.py); 0 = always.
+    overlap_ratio: float = 20.0
     mamba_policy: str = "marconi"  # hybrid models: cached-state eviction, "marconi" | "lru"
     checkpoint_every: int = 0  # hybrid models: state checkpoint grid in tokens; 0 = max_prefill_tokens
     elastic_budget_bytes: int = 0  # KV + Mamba pool bytes, resized at run time; 0 = static pools
@@ -83,6 +87,7 @@ class SchedulerLoop:
         self.batcher: Batcher | None = None
         self.requests: dict[str, Req] = {}
         self.counters = Counters()
+        self.overlap = OverlapPolicy(cfg.overlap_ratio)
         self._wake = asyncio.Event()
         self._ready = asyncio.Event()
         self._orphans: list[Req] = []  # requeued while no worker is attached
@@ -269,10 +274,10 @@ class SchedulerLoop:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Plan, send, receive, commit. With ``overlap`` the next step is planned and sent while
-        the worker runs the current one (at most two in flight); results are committed in order,
-        one step behind."""
+        the worker runs the current one (at most two in flight; not behind a long prefill step,
+        overlap.py); results are committed in order, one step behind."""
         inflight: deque[tuple[Plan, float]] = deque()
-        depth = 2 if self.cfg.overlap else 1
+        policy = self.overlap
         # The first step after the scheduler had no work reports the whole pause as worker idle
         # time; that is not a scheduling gap, so it is left out of worker_idle_s.
         from_idle = True
@@ -284,8 +289,14 @@ class SchedulerLoop:
                 continue
             batcher, link = self.batcher, self.link
             planning, done, result, t0 = True, None, None, 0.0
+            pipelined = self.cfg.overlap and (
+                not inflight or not policy.ratio or policy.pipeline_behind(inflight[-1][0].prefill_tokens)
+            )
+            depth = 2 if pipelined else 1
             try:
+                own = time.perf_counter()
                 plan = batcher.plan() if len(inflight) < depth else None  # plan
+                own = time.perf_counter() - own
                 planning = False
                 if plan is not None:
                     await link.send(plan.step)  # send
@@ -295,8 +306,11 @@ class SchedulerLoop:
                     result = await link.recv()  # receive
                     outs = result.outputs
                     rows = [o.row for o in outs] if any(done.drafts) else ()
+                    t_commit = time.perf_counter()
                     batcher.commit(done, [(o.token_id, o.logprob) for o in outs], result.jobs, rows,
                                    result.prompt)  # commit
+                    policy.observe_scheduler(own + time.perf_counter() - t_commit)
+                    policy.observe_step(done.prefill_tokens, result.forward_s + result.sample_s)
                     if inflight and inflight[0][0].late:  # the next step waits for these masks
                         await link.send_masks(batcher.late_masks(inflight[0][0], link.info.vocab_size))
             except WorkerGone as e:
