@@ -4,12 +4,11 @@ is SIGKILLed or SIGSTOPped for 10 s; count what the clients lost and every servi
     python -m benchmarks.chaos --model models/qwen3-tiny --minutes 5 [--out docs/bench/chaos_short.json]
         [--plot docs/bench/chaos_short.png] [--run-dir .runs/chaos-short]
 
-The stack is ``strata up --replicas 2 --restart on-failure`` (kvstore, worker + scheduler twice,
-tokenizer; the hierarchical cache with L3 on), run as a user runs it, against an etcd this rig
-starts: ``--restart on-failure`` restarts the four services, not an etcd it was pointed at, so
-the rig restarts a killed etcd itself (after 1 s, like the supervisor's first backoff), on its
-data directory (keys and leases survive). The rig checks that every SIGKILLed service comes back
-(a new process, and for the services the supervisor's ``<name> restarted at`` line).
+The stack is ``strata up --replicas 2 --restart on-failure`` (etcd, kvstore, worker + scheduler
+twice, tokenizer; the hierarchical cache with L3 on), run as a user runs it: the supervisor
+restarts every process it started, etcd included (on its ports and data directory, so keys and
+leases survive). The rig checks that every SIGKILLed process comes back: a new process, and the
+supervisor's ``<name> restarted at`` line.
 
 Load (benchmarks/chaos_load.py): ``--grpc-clients`` and ``--http-clients`` loops (the official
 ``openai`` client for HTTP), each sending greedy streamed requests one after another: text, token
@@ -41,7 +40,6 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -56,7 +54,6 @@ import psutil
 
 from benchmarks.chaos_load import Endpoints, Outcome, Prompt, client_loop, make_prompts, reference, verify
 from benchmarks.chaos_report import FaultRecord, RssSample, Summary, log_events, plot, summarize, tables
-from services.common.etcd_proc import EtcdProcess, free_port
 
 MiB = 1 << 20
 TARGETS = ("worker", "scheduler", "tokenizer", "kvstore", "etcd")
@@ -78,7 +75,6 @@ class ChaosConfig:
     margin: float = 2e-3  # smallest top-1 minus top-2 logit along a prompt's greedy path
     rss_every_s: float = 2.0
     warmup_s: float = 30.0  # of each process's life, before its RSS counts toward the slope
-    etcd_backoff_s: float = 1.0
     restart_deadline_s: float = 60.0
     kv_cache_bytes: str = "8MiB"  # per worker (~8k tokens of the tiny model): evicts, so L2 and L3 serve too
     host_cache_bytes: str = "16MiB"
@@ -114,14 +110,13 @@ def schedule(cfg: ChaosConfig) -> list[Fault]:
 
 
 class Stack:
-    """``strata up --replicas 2 --restart on-failure`` against an etcd of our own."""
+    """``strata up --replicas 2 --restart on-failure``, its own etcd included."""
 
     def __init__(self, model: Path, cfg: ChaosConfig, run_dir: Path) -> None:
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         for old in run_dir.glob("*.log"):
             old.unlink()
-        self.etcd = EtcdProcess(run_dir / "etcd-data", free_port(), free_port(), log_path=run_dir / "etcd.log")
         self.argv = [
             sys.executable, "-m", "services.cli", "up", "--model", str(model), "--replicas", "2",
             "--restart", "on-failure", "--port", "0", "--http-port", "-1", "--run-dir", str(run_dir),
@@ -131,10 +126,8 @@ class Stack:
         self.lines: list[tuple[float, str]] = []  # strata up's output, with arrival times
 
     def start(self, say: Callable[[str], None], timeout_s: float = 300.0) -> Endpoints:
-        shutil.rmtree(self.etcd.data_dir, ignore_errors=True)
-        self.etcd.start()
         self.up = subprocess.Popen(
-            [*self.argv, "--etcd", self.etcd.endpoint], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"),
         )  # fmt: skip
         threading.Thread(target=self._read, daemon=True).start()
@@ -162,18 +155,18 @@ class Stack:
 
     def pids(self) -> dict[str, int]:
         """Every service's current process: strata up's children by the log their stdout goes to
-        (``<run_dir>/worker-1.log``), and etcd."""
+        (``<run_dir>/worker-1.log``), and its etcd by name."""
         out: dict[str, int] = {}
         assert self.up is not None
         with contextlib.suppress(psutil.NoSuchProcess):
             for child in psutil.Process(self.up.pid).children():
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(OSError, psutil.NoSuchProcess):
+                    if child.name() == "etcd":
+                        out["etcd"] = child.pid
+                        continue
                     log = Path(os.readlink(f"/proc/{child.pid}/fd/1"))
                     if log.parent == self.run_dir.resolve() and log.suffix == ".log":
                         out[log.stem] = child.pid
-        etcd = next((p for p in psutil.Process().children() if p.name() == "etcd"), None)
-        if etcd is not None:
-            out["etcd"] = etcd.pid
         return out
 
     def restarted_line(self, name: str, after: float) -> float | None:
@@ -187,7 +180,6 @@ class Stack:
                 self.up.wait(60)
             except subprocess.TimeoutExpired:
                 self.up.kill()
-        self.etcd.stop()
 
 
 async def _inject(stack: Stack, cfg: ChaosConfig, f: Fault, t0: float, say: Callable[[str], None]) -> FaultRecord:
@@ -205,18 +197,12 @@ async def _inject(stack: Stack, cfg: ChaosConfig, f: Fault, t0: float, say: Call
         rec.ended = time.monotonic() - t0
         say(f"{rec.at:6.1f}s  {f.target} (pid {pid}) stopped for {rec.ended - rec.at:.1f}s")
         return rec
-    if f.target == "etcd":
-        stack.etcd.kill()
-        rec.restarted_by = "rig"
-        await asyncio.sleep(cfg.etcd_backoff_s)
-        await asyncio.to_thread(stack.etcd.start)
-    else:
-        os.kill(pid, signal.SIGKILL)
-        rec.restarted_by = "strata up"
+    os.kill(pid, signal.SIGKILL)
+    rec.restarted_by = "strata up"
     deadline = now + cfg.restart_deadline_s
-    while time.monotonic() < deadline:  # a new process, and (services) the supervisor saying it is ready
+    while time.monotonic() < deadline:  # a new process, and the supervisor saying it is ready
         new = stack.pids().get(f.target, 0)
-        ready = time.monotonic() if f.target == "etcd" else stack.restarted_line(f.target, now)
+        ready = stack.restarted_line(f.target, now)
         if new and new != pid and ready is not None:
             rec.new_pid, rec.restarted_s = new, ready - now
             break

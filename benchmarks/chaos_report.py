@@ -45,7 +45,7 @@ class FaultRecord:
     pid: int
     ended: float = 0.0  # kill: = at; stop: when SIGCONT was sent
     restarted_s: float | None = None  # kill: from the kill to the new process's READY (None: not seen)
-    restarted_by: str = ""  # "strata up" (its --restart on-failure) or "rig" (etcd)
+    restarted_by: str = ""  # "strata up" (its --restart on-failure); "rig" in runs before it restarted etcd
     new_pid: int = 0
 
 
