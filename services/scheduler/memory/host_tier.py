@@ -59,7 +59,12 @@ if TYPE_CHECKING:
 class HostTierPlanner:
     """The scheduler's side of the host tier (see the module docstring): the host indexes, the
     write and prefetch policies, and the host / L3 ops they plan for the worker (``HostOpRunner``)
-    to run. Only ``Memory`` calls it."""
+    to run. Only ``Memory`` calls it.
+
+    ``host_writes.py`` (the write policy's functions over the tier) uses the write bookkeeping,
+    public for it: ``backlog`` (backups waiting for a job slot), ``incoming`` (keys a backup is
+    writing), ``puts`` (acknowledged backups to put to L3), ``busy`` (groups in flight), and
+    ``full()``, ``send()``, ``hashes()``, ``skey()``."""
 
     def __init__(
         self, tree: PrefixTree, states: StateTrack | None, *, host_pages: int, host_states: int,
@@ -83,12 +88,12 @@ class HostTierPlanner:
         self.namespace, self.state_layout, self.l3 = namespace, state_layout, l3
         self.tier_ops: list[CacheOp] = []  # loads and prefetches planned since the last step
         self.first_ops: list[CacheOp] = []  # write-back copies of what this plan evicted
-        self._backlog: list[tuple[CacheHandle, CacheKey, int | None]] = []  # (locked node, key, state slot)
-        self._puts: list[tuple[list[bytes], bytes | None]] = []  # acked backups to put to L3
+        self.backlog: list[tuple[CacheHandle, CacheKey, int | None]] = []  # (locked node, key, state slot)
+        self.puts: list[tuple[list[bytes], bytes | None]] = []  # acked backups to put to L3
         self._groups: dict[int, Group] = {}  # job id -> its group
         self._loads: dict[int, tuple[list[bytes], list[bytes]]] = {}  # load job id -> pinned keys
-        self._busy = 0  # groups in flight (bounded by cfg.max_inflight_jobs with the backlog)
-        self._incoming: set[bytes] = set()  # keys a backup is writing to the host
+        self.busy = 0  # groups in flight (bounded by cfg.max_inflight_jobs with the backlog)
+        self.incoming: set[bytes] = set()  # keys a backup is writing to the host
         self._ids = itertools.count(1)
         self.counters = HiCounters()
         if cfg.write_policy == "write_back":
@@ -99,11 +104,11 @@ class HostTierPlanner:
         self.kv_host.on_change = on_change
 
     # -- keys -----------------------------------------------------------------------------------
-    def _hashes(self, key: CacheKey) -> list[bytes]:
+    def hashes(self, key: CacheKey) -> list[bytes]:
         base = self.namespace
         return extend_hashes(namespace_seed(base.model_fingerprint, base.layout, key.extra), key.tokens, self.tree_page)
 
-    def _skey(self, page_hash: bytes) -> bytes:
+    def skey(self, page_hash: bytes) -> bytes:
         return state_key(page_hash, self.state_layout)
 
     def _reach(self, keys: list[bytes], n: int, d: int) -> tuple[int, int]:
@@ -115,7 +120,7 @@ class HostTierPlanner:
         if self.states is None:
             return e, e if e * ps > n else 0
         for q in range(max(d // ps, e), n // ps, -1):
-            if self._skey(keys[q - 1]) in self.state_host:
+            if self.skey(keys[q - 1]) in self.state_host:
                 return e, q
         return e, 0
 
@@ -128,7 +133,7 @@ class HostTierPlanner:
         host holds (loads planned, the tree and the lock updated); returns the new length."""
         if n and self.cfg.write_policy == "write_through_selective" and self.tree.hits(req.mem.lock) >= 2:
             host_writes.want(self, CacheKey(key.tokens[:n], key.extra))
-        keys = self._hashes(key)
+        keys = self.hashes(key)
         _, q = self._reach(keys, n, self._kv_reach(key, n))
         return (self._load(req, key, keys, q) or n) if q else n
 
@@ -137,19 +142,19 @@ class HostTierPlanner:
         there, or no job left that could add one (no L3, a refused backup, evicted pages)."""
         if not self.l3 or not self.memory_pending:
             return True
-        return all((e := self.kv_host.get(k)) is not None and e.l3 for k in self._hashes(key))
+        return all((e := self.kv_host.get(k)) is not None and e.l3 for k in self.hashes(key))
 
     def prefix_len(self, key: CacheKey) -> int:
         """Tokens of ``key`` usable now (device and host), changing nothing."""
         n = self.tree.match(key, touch=False).length
-        _, q = self._reach(self._hashes(key), n, self._kv_reach(key, n))
+        _, q = self._reach(self.hashes(key), n, self._kv_reach(key, n))
         return max(n, q * self.tree_page)
 
     def _load(self, req: Req, key: CacheKey, keys: list[bytes], q: int) -> int:
         """Bring pages ``[d, q)`` (and the state after page ``q``) from the host, insert them into
         the device tree and serve the request from there; 0 when there is no room."""
         ps, n, end = self.tree_page, req.mem.cache_len, q * self.tree_page
-        skey = self._skey(keys[q - 1]) if self.states is not None else None
+        skey = self.skey(keys[q - 1]) if self.states is not None else None
         pins = self.kv_host.pin(keys[:q])  # making room below must not drop what this load reads
         spins = self.state_host.pin([skey]) if skey is not None else []
         state = self.states.alloc() if self.states is not None else None
@@ -203,7 +208,7 @@ class HostTierPlanner:
             return None
         ps = self.tree_page
         key = match_key(req)
-        keys = self._hashes(key)
+        keys = self.hashes(key)
         top = min(req.mem.l3_pages, len(keys))
         n = self.tree.match(key, touch=False).length
         d = self._kv_reach(key, n)
@@ -212,7 +217,7 @@ class HostTierPlanner:
         if not should_prefetch(top, local, self.cfg.prefetch_threshold):
             return None
         start = min(max(d // ps, e), top)
-        if self._full() or (pages := self.kv_host.reserve(top - start)) is None:
+        if self.full() or (pages := self.kv_host.reserve(top - start)) is None:
             self.counters.refused += 1
             return None
         skey, hs = None, None
@@ -222,10 +227,10 @@ class HostTierPlanner:
                 self.kv_host.release(pages)
                 self.counters.refused += 1
                 return None
-            skey, hs = self._skey(keys[top - 1]), got[0]
+            skey, hs = self.skey(keys[top - 1]), got[0]
         g = Group("prefetch", keys[start:top], pages, skey, hs)
         g.pins = self.kv_host.pin(keys[d // ps : start])
-        self._send(g, self.tier_ops, get=True)
+        self.send(g, self.tier_ops, get=True)
         cfg = self.cfg
         g.tracker = PrefetchTracker(len(pages) + (hs is not None), cfg.prefetch_policy, now=now,
                                     timeout_s=cfg.prefetch_timeout_s, release=lambda _: None)
@@ -240,17 +245,17 @@ class HostTierPlanner:
         if self.cfg.write_policy == "write_through":
             host_writes.want(self, key)
 
-    def _full(self) -> bool:
-        return self._busy + len(self._backlog) >= self.cfg.max_inflight_jobs
+    def full(self) -> bool:
+        return self.busy + len(self.backlog) >= self.cfg.max_inflight_jobs
 
-    def _send(self, g: Group, ops: list[CacheOp], *, get: bool = False,
+    def send(self, g: Group, ops: list[CacheOp], *, get: bool = False,
               backup_slots: tuple[tuple[int, ...], int] | None = None) -> None:
         """Put a group's ops into ``ops`` and remember its job ids."""
         ops.extend(group_ops(g, self._ids, get=get, backup_slots=backup_slots))
         for job in (g.kv_job, g.state_job):
             if job:
                 self._groups[job] = g
-        self._busy += 1
+        self.busy += 1
 
     # -- the step stream ------------------------------------------------------------------------
     def evict_device(self, n: int) -> int:
@@ -263,10 +268,10 @@ class HostTierPlanner:
         so far, then the backups and puts due now)."""
         first, self.first_ops = self.first_ops, []
         ops, self.tier_ops = self.tier_ops, []
-        backlog, self._backlog = self._backlog, []
+        backlog, self.backlog = self.backlog, []
         for node, key, state in backlog:
             host_writes.start_backup(self, node, key, state, ops)
-        puts, self._puts = self._puts, []
+        puts, self.puts = self.puts, []
         for keys, skey in puts:
             host_writes.start_put(self, keys, skey, ops)
         return first, ops
@@ -298,12 +303,12 @@ class HostTierPlanner:
     @property
     def memory_pending(self) -> bool:
         """Backups hold device nodes until acknowledged; loads, prefetches and puts are on their way."""
-        return bool(self._groups or self._loads or self.tier_ops or self.first_ops or self._backlog or self._puts)
+        return bool(self._groups or self._loads or self.tier_ops or self.first_ops or self.backlog or self.puts)
 
     @property
     def inflight(self) -> int:
         """Backups, puts and prefetches sent and not yet wholly acknowledged."""
-        return self._busy
+        return self.busy
 
     # -- accounting -----------------------------------------------------------------------------
     def host_pages(self) -> dict[str, int]:

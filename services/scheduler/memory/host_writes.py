@@ -21,11 +21,11 @@ def want(t: HostTierPlanner, key: CacheKey) -> None:
     m = t.tree.match(key, touch=False)
     if m.length != len(key.tokens) or (t.states is not None and m.state is None):
         return
-    if t._full():
+    if t.full():
         t.counters.refused += 1
         return
     t.tree.lock(m.node)
-    t._backlog.append((m.node, key, m.state))
+    t.backlog.append((m.node, key, m.state))
 
 
 def evicted(
@@ -34,11 +34,11 @@ def evicted(
     """write_back: the tree removes ``tokens[start:]`` (its ``slots``) and the state after it:
     copy what the host lacks before the slots can be reused (``first_ops``)."""
     ps = t.tree_page
-    keys = t._hashes(CacheKey(tokens, extra))
-    have = {i for i in range(start // ps, len(keys)) if keys[i] in t.kv_host or keys[i] in t._incoming}
+    keys = t.hashes(CacheKey(tokens, extra))
+    have = {i for i in range(start // ps, len(keys)) if keys[i] in t.kv_host or keys[i] in t.incoming}
     missing = [i for i in range(start // ps, len(keys)) if i not in have] if slots else []
-    skey = t._skey(keys[-1]) if state is not None and keys else None
-    if skey is not None and (skey in t.state_host or skey in t._incoming):
+    skey = t.skey(keys[-1]) if state is not None and keys else None
+    if skey is not None and (skey in t.state_host or skey in t.incoming):
         skey = None
     if missing or skey is not None:
         dev = tuple(s for i in missing for s in slots[(i * ps - start) : (i + 1) * ps - start])
@@ -48,7 +48,7 @@ def evicted(
 def _backup(t: HostTierPlanner, keys: list[bytes], missing: list[int], skey: bytes | None, dev: tuple[int, ...],
             state: int | None, ops: list[CacheOp], node: CacheHandle | None) -> bool:
     """Reserve host room for pages ``missing`` (device ``dev``) and the state, and send."""
-    if t._full() and node is None:
+    if t.full() and node is None:
         t.counters.refused += 1
         return False
     pages = t.kv_host.reserve(len(missing))
@@ -60,19 +60,19 @@ def _backup(t: HostTierPlanner, keys: list[bytes], missing: list[int], skey: byt
         return False
     g = Group("backup", [keys[i] for i in missing], pages, skey if hs else None, hs[0] if hs else None)
     g.node = node
-    t._incoming.update(g.keys)
+    t.incoming.update(g.keys)
     if g.skey is not None:
-        t._incoming.add(g.skey)
-    t._send(g, ops, backup_slots=(dev, state if state is not None else -1))
+        t.incoming.add(g.skey)
+    t.send(g, ops, backup_slots=(dev, state if state is not None else -1))
     return True
 
 
 def start_backup(t: HostTierPlanner, node: CacheHandle, key: CacheKey, state: int | None, ops: list[CacheOp]) -> None:
     ps = t.tree_page
-    keys = t._hashes(key)
-    skey = t._skey(keys[-1]) if state is not None else None
-    missing = [i for i, k in enumerate(keys) if k not in t.kv_host and k not in t._incoming]
-    if skey is not None and (skey in t.state_host or skey in t._incoming):
+    keys = t.hashes(key)
+    skey = t.skey(keys[-1]) if state is not None else None
+    missing = [i for i, k in enumerate(keys) if k not in t.kv_host and k not in t.incoming]
+    if skey is not None and (skey in t.state_host or skey in t.incoming):
         skey = None
     slots = t.tree.kv_path(key)
     assert len(slots) == len(key.tokens), "a locked node keeps its path"
@@ -88,32 +88,32 @@ def start_put(t: HostTierPlanner, keys: list[bytes], skey: bytes | None, ops: li
         se = None
     if not keys and se is None:
         return
-    if t._full():
+    if t.full():
         t.counters.refused += 1
         return
     g = Group("put", keys, [t.kv_host.get(k).index for k in keys],  # type: ignore[union-attr]
               skey if se is not None else None, se.index if se is not None else None)
     g.pins = t.kv_host.pin(keys)
     g.spins = t.state_host.pin([skey]) if se is not None and skey is not None else []
-    t._send(g, ops)
+    t.send(g, ops)
 
 
 def finish(t: HostTierPlanner, g: Group) -> None:
-    t._busy -= 1
+    t.busy -= 1
     got, state_ok = land(g, t.kv_host, t.state_host)
     c = t.counters
     if g.kind == "put":
         c.put_pages += got
         c.state_puts += state_ok
     elif g.kind == "backup":
-        t._incoming.difference_update(g.keys)
-        t._incoming.discard(g.skey or b"")
+        t.incoming.difference_update(g.keys)
+        t.incoming.discard(g.skey or b"")
         if g.node is not None:
             t.tree.unlock(g.node)
         c.backup_pages += got
         c.state_backups += state_ok
         if t.l3 and (got or state_ok):
-            t._puts.append((g.keys[:got], g.skey if state_ok else None))
+            t.puts.append((g.keys[:got], g.skey if state_ok else None))
     elif g.kind == "prefetch":
         c.prefetched_pages += got
         c.states_prefetched += state_ok
