@@ -249,7 +249,7 @@ class HostTierPlanner:
         return self.busy + len(self.backlog) >= self.cfg.max_inflight_jobs
 
     def send(self, g: Group, ops: list[CacheOp], *, get: bool = False,
-              backup_slots: tuple[tuple[int, ...], int] | None = None) -> None:
+             backup_slots: tuple[tuple[int, ...], int] | None = None) -> None:
         """Put a group's ops into ``ops`` and remember its job ids."""
         ops.extend(group_ops(g, self._ids, get=get, backup_slots=backup_slots))
         for job in (g.kv_job, g.state_job):
