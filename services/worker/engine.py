@@ -211,8 +211,6 @@ class Engine:
             return MtpDrafter(model_dir, loaded.model, dtype, self.device, self.kv, self.req_to_token, cfg.attention)
         return None
 
-    # -- public ----------------------------------------------------------------------------------
-
     def _decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs for decode steps (cuda_graphs.py) where they apply: a CUDA device, the Triton
         attention backend, a model without Mamba state, one rank, ``cuda_graph_max_batch`` > 0."""
@@ -222,6 +220,8 @@ class Engine:
             return None
         max_batch = min(cfg.cuda_graph_max_batch, cfg.max_rows)
         return DecodeGraphs(self.model, self._ctx, self.device, max_batch, cuda_capture(torch.cuda.graph_pool_handle()))
+
+    # -- public ----------------------------------------------------------------------------------
 
     def step(self, req: StepRequest, late_masks: Callable[[], LateMasks] | None = None) -> StepResult:
         """Validate, run ops, forward and sample. ``StepError`` leaves every pool untouched.
