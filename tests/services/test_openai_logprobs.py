@@ -155,8 +155,13 @@ def test_streamed_echo_joins_to_the_whole_answer(openai_client: openai.OpenAI) -
                 lps.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
                 offsets.setdefault(c.index, []).extend(c.logprobs.text_offset)
     for c in whole.choices:
-        assert text[c.index] == c.text
-        assert lps[c.index] == c.logprobs.token_logprobs and offsets[c.index] == c.logprobs.text_offset
+        assert text[c.index] == c.text and offsets[c.index] == c.logprobs.text_offset
+        # The two calls may be batched differently (the second finds the prompts cached, and the
+        # scheduler's overlap depends on measured step times), so a logprob may differ by fp32
+        # rounding (4e-6 seen in CI); the prompt's null and every value otherwise line up.
+        got, want = lps[c.index], c.logprobs.token_logprobs
+        assert len(got) == len(want) and got[0] is None and want[0] is None
+        assert all(abs(g - w) < 1e-4 for g, w in zip(got[1:], want[1:], strict=True)), (got, want)
 
 
 def test_grpc_prompt_logprobs_and_chat(openai_stack: Stack, openai_client: openai.OpenAI, tiny_qwen3: Path) -> None:
