@@ -289,9 +289,7 @@ class SchedulerLoop:
                 continue
             batcher, link = self.batcher, self.link
             planning, done, result, t0 = True, None, None, 0.0
-            pipelined = self.cfg.overlap and (
-                not inflight or not policy.ratio or policy.pipeline_behind(inflight[-1][0].prefill_tokens)
-            )
+            pipelined = self.cfg.overlap and (not inflight or policy.pipeline_behind(inflight[-1][0].prefill_tokens))
             depth = 2 if pipelined else 1
             try:
                 own = time.perf_counter()

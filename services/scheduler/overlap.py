@@ -48,8 +48,8 @@ class OverlapPolicy:
         return self.decode_s + prefill_tokens * self.token_s
 
     def pipeline_behind(self, prefill_tokens: int) -> bool:
-        """Whether to plan another step while one with ``prefill_tokens`` runs."""
-        if prefill_tokens == 0 or self.scheduler_s == 0.0 or self.token_s == 0.0:
+        """Whether to plan another step while one with ``prefill_tokens`` runs (always with ``ratio`` 0)."""
+        if not self.ratio or prefill_tokens == 0 or self.scheduler_s == 0.0 or self.token_s == 0.0:
             return True
         return self.predicted_s(prefill_tokens) < self.ratio * self.scheduler_s
 

@@ -36,6 +36,7 @@ def test_a_long_prefill_step_is_not_pipelined_behind_a_short_one_is() -> None:
 def test_a_costly_scheduler_keeps_overlap_behind_long_steps_too() -> None:
     assert _learned(scheduler_s=0.010).pipeline_behind(128)  # 110 ms < 20 x 10 ms
     assert _learned(scheduler_s=0.001, ratio=200.0).pipeline_behind(128)
+    assert _learned(scheduler_s=0.001, ratio=0.0).pipeline_behind(128)  # 0: behind every step
 
 
 def test_small_prefills_do_not_teach_the_per_token_cost() -> None:
