@@ -198,3 +198,44 @@ def paths_scenario(tp: Any, model_dir: str) -> dict[str, Any]:
     out["info"] = engine.info
     out["reduced_bytes"] = tp.reduced_bytes
     return out
+
+
+def drafts_scenario(tp: Any, cases: list[tuple[str, list[int]]], n: int = 12, k: int = 3) -> list[dict[str, Any]]:
+    """Speculative verify passes on every rank: for each ``(model_dir, truth)``, prefill ``P`` and
+    then decode by verifying ``k`` drafts a step, taken from ``truth`` (greedy's answer) with every
+    third output position wrong, so steps keep some drafts and reject the rest. Rank 0 samples;
+    every rank must end each step with the same row length and (hybrid) recurrent state, or the
+    next step's forward differs. Returns, per case, the tokens kept and how many each step kept."""
+    from services.worker.engine import Engine, EngineConfig
+
+    results = []
+    for model_dir, truth in cases:
+        cfg = EngineConfig(kv_cache_bytes=2 << 20, max_rows=4, max_context=256, mamba_slots=4, threads=1)
+        engine = Engine(model_dir, cfg, tp=tp)
+        d = _Driver(engine)
+        r = d.new()
+        step = StepRequest(next(d._step), ops=d.ops, reqs=[d._input(r, P)])
+        d.ops = []
+        out = [_shared(tp, engine.step(step).outputs, 1)[0]]
+        per_step = []
+        while len(out) < n:
+            at = len(out)
+            drafts = [t if (at + j) % 3 else (t + 1) % 768 for j, t in enumerate(truth[at : min(at + k, n - 1)])]
+            slots = d.take(1 + len(drafts))
+            inp = ReqInput(
+                r.rid, r.row, [out[-1], *drafts], len(P) + at - 1, slots, mamba_slot=r.mamba if d.hybrid else None,
+                sampling=GREEDY, output_index=at, num_draft=len(drafts),
+            )  # fmt: skip
+            kept = _shared(tp, engine.step(StepRequest(next(d._step), reqs=[inp])).outputs, 1 + len(drafts))
+            out += kept
+            per_step.append(len(kept))
+        results.append({"tokens": out[:n], "kept": per_step})
+    return results
+
+
+def _shared(tp: Any, outputs: list[Any], most: int) -> list[int]:
+    """Rank 0's sampled ids (up to ``most``), on every rank (the harness's own bookkeeping)."""
+    ids = [o.token_id for o in outputs] if tp.rank == 0 else []
+    got = tp.share_ints([len(ids)] + ids + [0] * (most - len(ids)), most + 1)
+    assert got is not None
+    return got[1 : 1 + got[0]]

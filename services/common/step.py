@@ -181,7 +181,8 @@ class ReqInput:
     output_index: int = 0
     # Sent on a row's first step when penalties are on: every token seen so far.
     history_ids: list[int] = field(default_factory=list)
-    # ceil(vocab/32) int32 words, bit i set = token i allowed; None = unconstrained.
+    # ceil(vocab/32) int32 words, bit i set = token i allowed; None = unconstrained. With drafts
+    # (``num_draft``, scheduler-side): 1 + num_draft masks back to back, one per sampled position.
     token_bitmask: bytes | None = None
     return_logprobs: bool = False
     top_logprobs: int = 0

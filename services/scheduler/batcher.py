@@ -296,8 +296,8 @@ class Batcher:
             if req.grammar is not None:
                 if req.inflight:  # the mask depends on a token still in flight: sent after commit
                     ri.mask_follows = True
-                else:
-                    ri.token_bitmask = req.grammar.bitmask()
+                else:  # one mask per sampled position: after the input and after each draft
+                    ri.token_bitmask = req.grammar.bitmasks(draft)
             req.inflight += 1
         if not req.sent_history and req.gen.sampling.has_penalties:
             # Every known token, this input's included (the worker adds only what it samples), so
@@ -385,6 +385,9 @@ class Batcher:
             if req.finished is not None or req.aborted:
                 continue
             for tok, lp in kept:
+                if req.grammar is not None and not req.grammar.accept(tok):
+                    self.finish(req, Finish.ERROR, f"sampled token {tok} violates the request's grammar")
+                    break
                 req.output.append(tok)
                 req.emit(TokenEvent((tok,), (lp,) if lp is not None else ()))  # type: ignore[arg-type]
                 reason = self._stop_reason(req, tok)

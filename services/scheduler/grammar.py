@@ -163,6 +163,41 @@ class Matcher:
         """True when the text accepted so far is a complete match (a stop token is now allowed)."""
         return bool(self._matcher.is_completed())
 
+    def accepted_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` the grammar takes in a row (draft tokens to verify), up to
+        the first it rejects and short of one that would end it: a token after which nothing can
+        be sampled has no next mask. The state is unchanged."""
+        n = 0
+        for tok in tokens:
+            if not self.accept(tok):
+                break
+            if self.is_terminated():
+                self.rollback(1)
+                break
+            n += 1
+        self.rollback(n)
+        return n
+
+    def bitmasks(self, tokens: Sequence[int]) -> bytes:
+        """The masks of the next token and of the token after each of ``tokens``, concatenated
+        (``1 + len(tokens)`` masks, each as ``bitmask()``): what the worker samples under at each
+        position of a verify pass. The state is unchanged.
+
+        Raises:
+            ValueError: if the grammar does not take ``tokens`` (check with ``accepted_prefix``).
+        """
+        masks = [self.bitmask()]
+        taken = 0
+        try:
+            for tok in tokens:
+                if not self.accept(tok):
+                    raise ValueError(f"bitmasks: the grammar rejects token {tok} at offset {taken}")
+                taken += 1
+                masks.append(self.bitmask())  # raises RuntimeError if the token ended the grammar
+        finally:
+            self.rollback(taken)
+        return b"".join(masks)
+
     def rollback(self, n: int) -> None:
         """Undo the last ``n`` accepted tokens (speculative positions that were rejected).
 

@@ -115,8 +115,9 @@ class SchedulerLoop:
         batcher = Batcher(mem, limits, frozenset(info.eos_token_ids), info.context_length)
         batcher.handoff_wait_s = cfg.handoff_wait_s
         if cfg.spec.algorithm:
-            if info.tp_size > 1:
-                log.warning("speculative decoding is off: the worker runs tensor parallel (not supported yet)")
+            if info.tp_size > 1 and cfg.spec.algorithm != "ngram":
+                log.warning("speculative decoding is off: the worker runs tensor parallel, where only "
+                            "--speculative-algorithm ngram drafts (a draft model or MTP head is not sharded)")
             elif cfg.spec.algorithm == "draft" and info.draft_model in ("", "mtp"):
                 log.error("speculative decoding is off: --speculative-algorithm draft but the worker has no "
                           "--speculative-draft-model")

@@ -10,7 +10,11 @@ output with speculation equals output without it, greedy or sampled.
 of the sequence's longest recurring suffix. No model, no memory: it pays where the output
 repeats its context (edits, code, quoting, and the loops small models fall into). ``draft`` and
 ``mtp`` draft on the worker (a smaller checkpoint; Qwen3-Next's own multi-token-prediction head):
-the scheduler sends ``num_draft`` placeholders with ``worker_drafts``.
+the scheduler sends ``num_draft`` placeholders with ``worker_drafts``. Under a grammar, prompt
+lookup's drafts end before the first token the matcher rejects, and the worker samples each
+position under the matcher's mask after the drafts before it (``Matcher.bitmasks``), so a
+constrained request's output is unchanged too; the worker's drafters do not see the grammar, so
+with them constrained requests decode without drafts.
 
 When drafting does not pay it is skipped: above ``max_batch`` decoding requests (the verify pass
 then costs more than the tokens it saves: on 2 CPU cores a verify of 4 drafts costs 1.5x a decode
@@ -107,8 +111,9 @@ class Speculator:
         self.drafter: Drafter = drafter
 
     def _eligible(self, req: Req, decoding: int) -> bool:
-        """Not over the batch limit, not constrained by a grammar, not backing off."""
-        return decoding <= self.cfg.max_batch and req.grammar is None and not req.spec_wait
+        """Not over the batch limit, not backing off, and not constrained by a grammar when the
+        worker drafts (the scheduler masks only drafts it can see)."""
+        return decoding <= self.cfg.max_batch and not req.spec_wait and (req.grammar is None or not self.worker_drafts)
 
     def drafting(self, req: Req, decoding: int) -> bool:
         """Whether ``req`` drafts while ``decoding`` requests decode: then it is planned only once
@@ -119,9 +124,10 @@ class Speculator:
 
     def draft(self, req: Req, decoding: int) -> list[int]:
         """Drafts for ``req``'s next decode (empty: an ordinary decode) while ``decoding`` requests
-        decode this step. Only a request whose last token is known (nothing in flight) and that is
-        not constrained by a grammar drafts; the drafts never take it past ``max_new_tokens`` or
-        the context. A request whose drafts were mostly rejected pauses."""
+        decode this step. Only a request whose last token is known (nothing in flight) drafts; the
+        drafts never take it past ``max_new_tokens`` or the context, and under a grammar they end
+        before the first token it rejects (the worker samples each position under the matcher's
+        mask after the drafts before it). A request whose drafts were mostly rejected pauses."""
         cfg = self.cfg
         if req.inflight or not self._eligible(req, decoding):
             if req.spec_wait:
@@ -136,6 +142,8 @@ class Speculator:
             return []
         t0 = time.perf_counter()
         draft = self.drafter(req, room)[:room]  # empty where nothing recurs: an ordinary decode
+        if draft and req.grammar is not None:
+            draft = draft[: req.grammar.accepted_prefix(draft)]
         self.counters.draft_s += time.perf_counter() - t0
         return draft
 

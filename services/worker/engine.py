@@ -280,8 +280,6 @@ class Engine:
                 result.jobs = self._finish_host()
             return result
         drafting = [r for r in req.reqs if r.num_draft]
-        if drafting and self.tp.size > 1:
-            raise StepError(f"step {req.step_id}: draft tokens (num_draft) are not supported with tensor parallelism")
         if self.draft is None and any(r.worker_drafts for r in drafting):
             raise StepError(f"step {req.step_id}: worker_drafts is set but this worker has no draft model")
         t0 = time.perf_counter()
@@ -294,16 +292,22 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # so forward_s measures the forward, not the launch
         t1 = time.perf_counter()
-        n = sum(1 for r in req.reqs if r.sample)
+        # Samples rank 0 shares with the followers: one per sampling request, or with drafts up to
+        # 1 + num_draft each (the kept ones, padded with -1).
+        n = sum(1 + r.num_draft for r in req.reqs if r.sample)
         if any(r.prompt_logprobs for r in req.reqs):  # scoring chunks brought a row per position
             if self.tp.rank == 0:
                 result.prompt = score_prompts(req.reqs, inp.want_logits, logits)
             logits = logits.index_select(0, int64_tensor(sample_rows(req.reqs, inp.want_logits), logits.device))
+        kept = Counter[int]()  # tokens each drafting row kept
         if self.tp.rank:  # a follower: rank 0 samples and sends the ids
             ids = self.tp.share_ints(None, n)
             if ids is None:
                 raise StepError(f"step {req.step_id}: rank 0 failed to sample it")
-            self._record_samples(req.reqs, ids)
+            if drafting:
+                kept = self._record_verified(req.reqs, ids)
+            else:
+                self._record_samples(req.reqs, ids)
             t2 = time.perf_counter()
         else:
             try:
@@ -316,10 +320,12 @@ class Engine:
                 if self.tp.size > 1:
                     self.tp.share_ints(None, n)  # the followers fail this step too
                 raise
+            if drafting:
+                kept = Counter(o.row for o in result.outputs)
             if self.tp.size > 1:
-                self.tp.share_ints([o.token_id for o in result.outputs], n)
+                self.tp.share_ints(_padded_samples(req.reqs, result.outputs) if drafting else
+                                   [o.token_id for o in result.outputs], n)  # fmt: skip
         t3 = time.perf_counter()
-        kept = Counter(o.row for o in result.outputs) if drafting else Counter[int]()  # tokens each row kept
         if saved is not None:
             self._roll_back_states(drafting, saved, kept)
         if self.draft is not None:  # the drafter catches up with the kept tokens
@@ -494,7 +500,7 @@ class Engine:
                         seed=r.seed,
                         output_index=r.output_index + j,
                         history=history,
-                        bitmask=_to(masks[i], self.device),
+                        bitmask=_to(_position_mask(masks[i], j), self.device),
                         return_logprobs=r.return_logprobs,
                         top_logprobs=r.top_logprobs,
                     )
@@ -520,13 +526,31 @@ class Engine:
             samples = tokens[k : k + r.num_draft + 1]
             kept = samples[: accepted_len(samples, _drafts(r))]
             outputs += [ReqOutput(r.row, t, logprobs.get(k + j)) for j, t in enumerate(kept)]
-            self._last_sample[r.row] = kept[-1]
-            if r.row in self._history:
-                self._history[r.row].extend(kept)
-            if r.num_draft:  # the row holds the input and the accepted drafts; the rest is void
-                self._row_len[r.row] = r.start_pos + len(kept)
+            self._record_kept(r, kept)
             k += r.num_draft + 1
         return outputs
+
+    def _record_verified(self, reqs: list[ReqInput], padded: list[int]) -> Counter[int]:
+        """A follower's ``_sample`` bookkeeping for a step with drafts, from rank 0's padded
+        samples (``_padded_samples``); returns the tokens each drafting row kept."""
+        kept: Counter[int] = Counter()
+        k = 0
+        for r in (r for r in reqs if r.sample):
+            ids = [t for t in padded[k : k + r.num_draft + 1] if t >= 0]
+            self._record_kept(r, ids)
+            if r.num_draft:
+                kept[r.row] = len(ids)
+            k += r.num_draft + 1
+        return kept
+
+    def _record_kept(self, r: ReqInput, kept: list[int]) -> None:
+        """``r`` kept ``kept`` (1 to ``1 + num_draft`` samples): its next input, penalty history and,
+        with drafts, its length (the input and the accepted drafts; the rest of the pass is void)."""
+        self._last_sample[r.row] = kept[-1]
+        if r.row in self._history:
+            self._history[r.row].extend(kept)
+        if r.num_draft:
+            self._row_len[r.row] = r.start_pos + len(kept)
 
     def _roll_back_states(self, drafting: list[ReqInput], saved: list[torch.Tensor], kept: Counter[int]) -> None:
         """Hybrid rows whose drafts were not all accepted (``kept``: tokens each row kept): their
@@ -600,6 +624,26 @@ def _draft_slot_bytes(cfg: EngineConfig, model: CausalLM, dtype: torch.dtype) ->
     except (OSError, ValueError) as e:
         raise ValueError(f"speculative_draft_model {cfg.draft_model}: {e}") from e
     return KVPool.slot_bytes(d.num_layers, d.num_kv_heads, d.head_dim, dtype)
+
+
+def _padded_samples(reqs: list[ReqInput], outputs: list[ReqOutput]) -> list[int]:
+    """What rank 0 sends its followers after a step with drafts: each sampling request's kept
+    tokens (consecutive outputs of its row), padded with -1 to ``1 + num_draft``."""
+    ids: list[int] = []
+    k = 0
+    for r in (r for r in reqs if r.sample):
+        n = 0
+        while n <= r.num_draft and k + n < len(outputs) and outputs[k + n].row == r.row:
+            n += 1
+        ids += [o.token_id for o in outputs[k : k + n]] + [-1] * (r.num_draft + 1 - n)
+        k += n
+    return ids
+
+
+def _position_mask(mask: torch.Tensor | None, j: int) -> torch.Tensor | None:
+    """The mask of a request's ``j``-th sampled position: a verify pass under a grammar carries
+    one row per position (``[1 + num_draft, words]``), anything else one mask."""
+    return mask if mask is None or mask.dim() == 1 else mask[j]
 
 
 def _drafts(r: ReqInput) -> list[int]:

@@ -98,7 +98,7 @@ def check_step(
     if not _batch_passes(req.reqs, limits, sampled, lengths):
         return _check_each(req.reqs, limits, sampled, lengths)
     return [
-        None if r.token_bitmask is None else decode_bitmask(r.token_bitmask, vocab_size, _where(r))
+        None if r.token_bitmask is None else decode_bitmask(r.token_bitmask, vocab_size, _where(r), 1 + r.num_draft)
         for r in req.reqs
     ]
 
@@ -173,7 +173,8 @@ def _drafts_pass(r: ReqInput) -> bool:
         return False
     return not r.num_draft or (
         0 < r.num_draft < len(r.input_ids)
-        and r.sample and not r.use_last_sample and not r.mask_follows and r.token_bitmask is None
+        and r.sample and not r.use_last_sample and not r.mask_follows
+        and (r.token_bitmask is None or not r.worker_drafts)
     )
 
 
@@ -217,7 +218,9 @@ def _check_each(
         if bad:
             raise StepError(f"{where}: history_ids has token {bad[0]} outside [0, {vocab_size})")
         _check_scoring(r, where, vocab_size)
-        masks.append(None if r.token_bitmask is None else decode_bitmask(r.token_bitmask, vocab_size, where))
+        masks.append(
+            None if r.token_bitmask is None else decode_bitmask(r.token_bitmask, vocab_size, where, 1 + r.num_draft)
+        )
     return masks
 
 
@@ -283,8 +286,10 @@ def _check_tokens(
                 f"{where}: num_draft={r.num_draft} must be in [0, {len(r.input_ids)}) (one input id "
                 "before the drafts)"
             )
-        if not r.sample or r.use_last_sample or r.mask_follows or r.token_bitmask is not None:
-            raise StepError(f"{where}: num_draft needs sample and no use_last_sample, mask_follows or token_bitmask")
+        if not r.sample or r.use_last_sample or r.mask_follows:
+            raise StepError(f"{where}: num_draft needs sample and no use_last_sample or mask_follows")
+        if r.worker_drafts and r.token_bitmask is not None:
+            raise StepError(f"{where}: worker_drafts with a token_bitmask: the worker's drafts cannot be masked")
     n = r.num_new
     if r.start_pos < 0:
         raise StepError(f"{where}: start_pos={r.start_pos} is negative")
@@ -317,18 +322,24 @@ def _check_slots(r: ReqInput, where: str, num_slots: int, seen: set[int]) -> Non
         raise StepError(f"{where}: new_slots repeats a slot already written in this step")
 
 
-def decode_bitmask(raw: bytes, vocab_size: int, where: str) -> torch.Tensor:
+def decode_bitmask(raw: bytes, vocab_size: int, where: str, masks: int = 1) -> torch.Tensor:
+    """``masks`` packed bitmasks back to back (a request verifying drafts: one per sampled
+    position) as int32 words: ``[words]`` for one mask, ``[masks, words]`` for more. Each must
+    allow a token."""
     words = -(-vocab_size // _WORD_BITS)
-    if len(raw) != 4 * words:
+    if len(raw) != 4 * words * masks:
+        each = "" if masks == 1 else f"{masks} masks (1 + num_draft) of "
         raise StepError(
-            f"{where}: token_bitmask has {len(raw)} bytes, expected {4 * words} "
-            f"(ceil({vocab_size}/32) int32 words)"
+            f"{where}: token_bitmask has {len(raw)} bytes, expected {4 * words * masks} "
+            f"({each}ceil({vocab_size}/32) int32 words)"
         )
-    mask = torch.frombuffer(bytearray(raw), dtype=torch.int32)
+    mask = torch.frombuffer(bytearray(raw), dtype=torch.int32).view(masks, words)
     valid = mask.clone()
     tail = vocab_size - _WORD_BITS * (words - 1)  # bits of the last word that name real tokens
     if tail < _WORD_BITS:
-        valid[-1] &= (1 << tail) - 1
-    if not bool(valid.any()):
-        raise StepError(f"{where}: token_bitmask allows no token")
-    return mask
+        valid[:, -1] &= (1 << tail) - 1
+    empty = (~valid.any(dim=1)).nonzero()
+    if len(empty):
+        which = "" if masks == 1 else f" (mask {int(empty[0])})"
+        raise StepError(f"{where}: token_bitmask allows no token{which}")
+    return mask[0] if masks == 1 else mask

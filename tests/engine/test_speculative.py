@@ -4,11 +4,16 @@ prefill, retraction and overlap, greedy and seeded sampling — and the pools' b
 
 from __future__ import annotations
 
+import asyncio
 import random
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
+from transformers import AutoTokenizer
 
+from services.scheduler.grammar import Constraint, GrammarService
 from services.scheduler.loop import LoopConfig, SchedulerLoop
 from services.scheduler.request import Req
 from services.scheduler.speculative import SpecConfig, Speculator
@@ -16,6 +21,7 @@ from tests import sched_harness as h
 from tests.reference import hf_greedy
 
 NGRAM = SpecConfig("ngram", num_draft_tokens=4, max_batch=64)  # exactness, not the policy: always draft
+WORDS = r"[a-z]{1,3}( [a-z]{1,3}){5,9}"  # short words: the output repeats, so prompt lookup drafts
 
 
 def _repetitive(vocab: int, seed: int) -> list[list[int]]:
@@ -121,4 +127,49 @@ def test_retraction_with_speculation(tiny_qwen3: Path) -> None:
     assert [o.ids for o in outs] == want
     assert loop.batcher is not None and loop.batcher.retractions > 0
     assert loop.batcher.spec is not None and loop.batcher.spec.counters.accepted_tokens > 0
+    _check_books(loop)
+
+
+@pytest.fixture(scope="module")
+def words(tiny_qwen3: Path, dense: h.Engine) -> Any:
+    svc = GrammarService(str(tiny_qwen3), dense.info.vocab_size, stop_token_ids=list(dense.info.eos_token_ids))
+    return asyncio.run(svc.compile(Constraint("regex", WORDS)))
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_constrained_drafts_are_masked_and_rolled_back(tiny_qwen3: Path, dense: h.Engine, words: Any,
+                                                       sampled: bool) -> None:  # fmt: skip
+    """Under a grammar, drafts end before the first token the matcher rejects, and the worker
+    samples each verify position under the matcher's mask after the drafts before it: output
+    equal to no speculation, greedy or seeded, and every answer a match. Prompt lookup, and a
+    drafter that knows the answer but gets every third token wrong (often a token the grammar
+    rejects)."""
+    tok = AutoTokenizer.from_pretrained(str(tiny_qwen3))
+    rng = random.Random(6)
+    prompts = [tok.encode(" ".join(rng.choice(["ab", "cd", "e", "fgh"]) for _ in range(8)), add_special_tokens=False)
+               + [rng.randrange(3, dense.info.vocab_size) for _ in range(i)] for i in range(5)]  # fmt: skip
+
+    def specs() -> list[h.Spec]:  # a matcher per request and run
+        return [h.Spec(p, 40, ignore_eos=False, temperature=0.8 if sampled else 0.0, seed=70 + i,
+                       grammar=words.matcher()) for i, p in enumerate(prompts)]  # fmt: skip
+
+    off, _ = h.run(dense, specs(), LoopConfig())
+    truth = [o.ids for o in off]
+    for ids in truth:
+        assert re.fullmatch(WORDS, tok.decode([t for t in ids if t not in dense.info.eos_token_ids])), ids
+    for overlap in (False, True):  # with overlap, the requests that do not draft get late masks
+        on, loop = h.run(dense, specs(), LoopConfig(spec=NGRAM, overlap=overlap))
+        assert [o.ids for o in on] == truth
+        assert loop.batcher is not None and loop.batcher.spec is not None
+        assert loop.batcher.spec.counters.accepted_tokens > 0, loop.batcher.spec.counters
+        _check_books(loop)
+    oracle = _oracle(truth, dense.info.vocab_size, wrong_every=3)
+
+    def attach(loop: SchedulerLoop) -> None:
+        assert loop.batcher is not None
+        loop.batcher.spec = oracle
+
+    told, loop = h.run(dense, specs(), LoopConfig(), setup=attach)
+    assert [o.ids for o in told] == truth
+    assert 0 < oracle.counters.accepted_tokens < oracle.counters.draft_tokens, oracle.counters
     _check_books(loop)

@@ -16,7 +16,7 @@ import torch
 from services.common.page_hash import rank_key
 from services.worker.tp import Tp
 from tests.reference import hf_greedy, hf_model
-from tests.tp_harness import DEC, PAGE, S1, S2, S3, P, Q, paths_scenario, run_group
+from tests.tp_harness import DEC, PAGE, S1, S2, S3, P, Q, drafts_scenario, paths_scenario, run_group
 
 TOL = 1e-4
 
@@ -98,3 +98,15 @@ def test_each_rank_gets_its_own_gpu() -> None:
     assert [rank_device("cuda:2", r) for r in range(3)] == ["cuda:2", "cuda:3", "cuda:4"]
     assert rank_device("cuda", 1) == "cuda:1"
     assert rank_device("cpu", 3) == "cpu"
+
+
+def test_verifying_drafts_keeps_the_ranks_in_step(tiny_qwen3: Path, tiny_qwen3_next: Path) -> None:
+    """Speculative decoding (scheduler-side drafts) under TP 2, dense and hybrid: rank 0 samples
+    every position and keeps part of the drafts; the followers learn what it kept, so their rows
+    and recurrent states end where rank 0's do and the answer still equals transformers."""
+    cases = [(str(m), hf_greedy(m, P, 12, stop_at_eos=False)) for m in (tiny_qwen3, tiny_qwen3_next)]
+    ranks = run_group(2, drafts_scenario, cases)
+    for (model, truth), got in zip(cases, ranks[0], strict=True):
+        assert got["tokens"] == truth, model
+        assert any(k < 4 for k in got["kept"]) and any(k > 1 for k in got["kept"]), got["kept"]
+    assert ranks[1] == ranks[0]

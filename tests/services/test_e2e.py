@@ -293,7 +293,12 @@ def test_worker_killed_leaves_discovery_and_restart_is_used(stack: Stack, api: p
     assert len(got) == 3
 
 
-def test_constrained_generation_through_the_api(api: pgrpc.StrataStub) -> None:
+def test_constrained_generation_through_the_api(api: pgrpc.StrataStub, stack: Stack) -> None:
+    words = r"[a-z]{1,3}( [a-z]{1,3}){5,9}"  # a repetitive prompt and short words: drafted under the grammar
+    before = _spec_events(stack).get("verify_steps", 0.0)
+    got = _collect(api.Generate(pb.GenerateRequest(text="ab cd ab cd e ab cd e", sampling=_greedy(48), regex=words)))
+    assert re.fullmatch(words, got[1]), got[1]
+    assert _spec_events(stack).get("verify_steps", 0.0) > before
     regex = r"(yes|no), [a-z]{2,5}\."
     sp = pb.SamplingParams(temperature=1.0, max_new_tokens=64, seed=5)
     for i in range(3):

@@ -2,8 +2,9 @@
 and tokenizer processes talking gRPC.
 
 1. Greedy output equals transformers on every path at once, dense and hybrid: chunked prefill
-   with overlap, a device pool small enough to retract and to evict to the host, prefix hits from
-   the device and from the host, and, after a worker restart, from L3.
+   with overlap, speculative decoding (prompt lookup), a device pool small enough to retract and
+   to evict to the host, prefix hits from the device and from the host, and, after a worker
+   restart, from L3.
 2. A TP-2 and a TP-1 worker sharing one kvstore never exchange pages (their keys differ) and each
    reloads its own.
 3. Killing one rank: the group exits saying which rank died, etcd drops the worker, clients get
@@ -91,7 +92,9 @@ def test_every_path_through_the_services_equals_transformers(
     # 160 slots of this rank's KV heads hold about two requests: decodes must retract.
     stack = start_stack(
         model, free_port(), tmp_path, worker_args=_worker_args(160 * _slot_bytes_per_rank(model, 2), 2),
-        scheduler_args=("--max-prefill-tokens", "24", "--metrics-port", "0"), say=lambda _: None,
+        scheduler_args=("--max-prefill-tokens", "24", "--metrics-port", "0", "--speculative-algorithm", "ngram",
+                        "--speculative-max-batch", "64"),
+        say=lambda _: None,
     )  # fmt: skip
     try:
         info = worker_info(stack)
@@ -99,6 +102,7 @@ def test_every_path_through_the_services_equals_transformers(
         base = random_ids(rng, 48, info.vocab_size)
         prompts = [base + random_ids(rng, 8 + 3 * i, info.vocab_size) for i in range(6)]
         prompts += [random_ids(rng, 60, info.vocab_size) for _ in range(4)]
+        prompts.append(random_ids(rng, 4, info.vocab_size) * 12)  # a loop: prompt lookup drafts it
         want = [hf_greedy(model, p, OUT, stop_at_eos=False) for p in prompts]
         with grpc.insecure_channel(stack.child("tokenizer").address) as ch:
             api = pgrpc.StrataStub(ch)
@@ -109,8 +113,9 @@ def test_every_path_through_the_services_equals_transformers(
                 assert all(not r.error for r in replies), [r.error for r in replies]
                 return [r.ids for r in replies]
 
-            assert wave() == want  # cold, chunked, prefix hits among siblings, retractions
+            assert wave() == want  # cold, chunked, prefix hits among siblings, retractions, drafts
             assert _metric(stack, "retractions_total") > 0
+            assert _metric(stack, "spec_events_total") > 0, "no request verified drafts"
             assert wave() == want  # again: from the device and from the host pool
             assert _hicache(stack, "load_tokens") > 0, "no prefix came back from the host pool"
             kv = stack.child("kvstore").address

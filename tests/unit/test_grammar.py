@@ -268,6 +268,28 @@ def test_rollback_restores_earlier_masks(service: GrammarService, tokenizer: Pre
     assert m.bitmask() == start and m.num_accepted == 0
 
 
+def test_drafts_are_cut_and_masked_without_moving_the_matcher(
+    service: GrammarService, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """Speculative decoding under a grammar: drafts end before the first token it rejects and
+    before one that would end it; ``bitmasks`` gives the mask at every verify position, each as
+    stepping the matcher would, and leaves the state where it was."""
+    m = compile_now(service, "regex", "a[bc]d").matcher()
+    a, b, c, d = (tokenizer.encode(s, add_special_tokens=False)[0] for s in "abcd")
+    assert m.accepted_prefix([a, b, d, EOS, a]) == 3  # EOS would end the grammar: no mask after it
+    assert m.accepted_prefix([a, d, b]) == 1 and m.accepted_prefix([d]) == 0 and m.accepted_prefix([]) == 0
+    assert m.num_accepted == 0
+    stepped = [m.bitmask()]
+    for tok in (a, c):
+        assert m.accept(tok)
+        stepped.append(m.bitmask())
+    m.rollback(2)
+    assert m.bitmasks([a, c]) == b"".join(stepped) and m.bitmasks([]) == stepped[0]
+    with pytest.raises(ValueError, match=f"rejects token {d} at offset 1"):
+        m.bitmasks([a, d])
+    assert m.num_accepted == 0 and m.bitmask() == stepped[0]
+    assert m.accept(a) and m.accepted_prefix([b, d]) == 2 and m.num_accepted == 1
+
 # -- masked decoding -------------------------------------------------------------------------
 
 

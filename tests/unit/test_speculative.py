@@ -74,6 +74,13 @@ def _req(prompt: list[int], max_new: int = 16, output: list[int] | None = None) 
     return req
 
 
+class _NoFours:
+    """A grammar that takes any token but 4 (the part of ``Matcher`` the speculator uses)."""
+
+    def accepted_prefix(self, tokens: list[int]) -> int:
+        return tokens.index(4) if 4 in tokens else len(tokens)
+
+
 def test_speculator_limits_and_pauses() -> None:
     spec = Speculator(SpecConfig("ngram", num_draft_tokens=4, max_batch=8), context_length=64)
     assert SpecConfig().max_batch == 4 and SpecConfig().min_accepted == 1.0
@@ -85,8 +92,11 @@ def test_speculator_limits_and_pauses() -> None:
     busy.inflight = 1
     assert spec.draft(busy, decoding=1) == []  # its last token is not known yet
     constrained = _req(loop)
-    constrained.grammar = object()
-    assert spec.draft(constrained, 1) == [] and not spec.drafting(constrained, 1)
+    constrained.grammar = _NoFours()
+    assert spec.draft(constrained, 1) == [3] and spec.drafting(constrained, 1)  # cut where the grammar rejects
+    worker_drafts = Speculator(SpecConfig("draft"), context_length=64)
+    assert worker_drafts.draft(constrained, 1) == [] and not worker_drafts.drafting(constrained, 1)
+    assert worker_drafts.draft(_req(loop), 1) == [0] * 4  # placeholders the worker fills
     tight = Speculator(SpecConfig("ngram"), context_length=len(loop) + 1)
     assert tight.draft(_req(loop), 1) == []  # the context leaves room for the next token only
 
@@ -154,7 +164,9 @@ def _lim() -> _Limits:
     [
         ({"num_draft": 3}, "num_draft=3 must be in [0, 3)"),
         ({"num_draft": 1, "sample": False}, "num_draft needs sample"),
-        ({"num_draft": 1, "token_bitmask": b"\xff" * 4}, "num_draft needs sample"),
+        ({"num_draft": 1, "token_bitmask": b"\xff" * 4}, "expected 8 (2 masks (1 + num_draft) of ceil(10/32)"),
+        ({"num_draft": 2, "token_bitmask": b"\xff" * 8 + b"\x00\xfc\x00\x00"}, "allows no token (mask 2)"),
+        ({"num_draft": 1, "worker_drafts": True, "token_bitmask": b"\xff" * 8}, "worker_drafts with a token_bitmask"),
     ],
 )
 def test_check_step_refuses_bad_drafts(change: dict, fragment: str) -> None:
@@ -164,6 +176,16 @@ def test_check_step_refuses_bad_drafts(change: dict, fragment: str) -> None:
         setattr(r, k, v)
     with pytest.raises(StepError, match=re.escape(fragment)):
         _check_each([r], _lim(), set(), {})
+
+
+def test_a_constrained_verify_carries_a_mask_per_position() -> None:
+    """Under a grammar, 1 + num_draft masks back to back: the worker gets one row per position."""
+    masks = bytes([1, 0, 0, 0, 2, 0, 0, 0, 4, 2, 0, 0])  # {0}, {1}, {2, 9}
+    r = ReqInput("r", 0, [1, 2, 3], 0, [5, 6, 7], num_draft=2, token_bitmask=masks)
+    (mask,) = _check_each([r], _lim(), set(), {})
+    assert mask is not None and mask.shape == (3, 1) and mask[:, 0].tolist() == [1, 2, 516]
+    msg = step_codec.step_to_pb(StepRequest(3, reqs=[r]))
+    assert step_codec.step_from_pb(wpb.StepRequest.FromString(msg.SerializeToString())).reqs == [r]
 
 
 def test_worker_drafts_travel_as_a_flag_and_need_drafts() -> None:
