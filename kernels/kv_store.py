@@ -49,11 +49,12 @@ def _store_kv_kernel(
 
 
 def store_kv_torch(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    padded: bool = False,
 ) -> None:
-    """Reference: ``k_cache[slots] = k`` and ``v_cache[slots] = v``; negative slots dropped (a host
-    sync when any is present: the graphed decode that pads with them runs the Triton kernel)."""
-    if slots.numel() and int(slots.min()) < 0:
+    """Reference: ``k_cache[slots] = k`` and ``v_cache[slots] = v``; with ``padded``, negative slots
+    dropped (a host sync: the graphed decode that pads with them runs the Triton kernel)."""
+    if padded and slots.numel() and int(slots.min()) < 0:
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
     k_cache.index_copy_(0, slots, k)
@@ -79,13 +80,16 @@ def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     impl: Impl = "auto",
+    padded: bool = False,
 ) -> None:
     """Write ``k[t]`` into ``k_cache[slots[t]]`` and ``v[t]`` into ``v_cache[slots[t]]``, in place.
 
     Args:
         k_cache, v_cache: ``[S, Hkv, D]`` contiguous pools of one layer (fp16, bf16 or fp32).
-        slots: ``[T]`` int64 slot of each new token; slots must be distinct and ``< S``. A negative
-            slot drops its token (the padding rows of a graphed decode, services/worker/cuda_graphs.py).
+        slots: ``[T]`` int64 slot of each new token; slots must be distinct and ``< S``. With
+            ``padded``, a negative slot drops its token (the padding rows of a graphed decode,
+            services/worker/cuda_graphs.py); the Triton kernel always drops them, the torch
+            reference looks for them only then (a host sync, kept off the ordinary CPU step).
         k, v: ``[T, Hkv, D]`` in the caches' dtype. Their ``[Hkv, D]`` rows must be dense, the token
             stride is free (a slice of a fused projection is fine).
         impl: ``auto`` runs the Triton kernel on CUDA tensors and the torch reference otherwise.
@@ -112,4 +116,4 @@ def store_kv(
     if use_triton(impl, k_cache):
         _store_kv_triton(k_cache, v_cache, slots, k, v)
     else:
-        store_kv_torch(k_cache, v_cache, slots, k, v)
+        store_kv_torch(k_cache, v_cache, slots, k, v, padded)

@@ -91,7 +91,7 @@ class AttentionBackend(ABC):
         k = k.to(k_cache.dtype).contiguous()
         v = v.to(v_cache.dtype).contiguous()
         q = q.to(k_cache.dtype)
-        store_kv(k_cache, v_cache, batch.out_slots, k, v)
+        store_kv(k_cache, v_cache, batch.out_slots, k, v, padded=batch.padded)
         return self._attend(q, k, v, k_cache, v_cache, batch, scale)
 
     @abstractmethod

@@ -84,6 +84,8 @@ class ForwardBatch:
     start_pos_list: list[int]
     extend_lens_list: list[int]
     attn: AttentionMeta
+    # Rows past the real batch (a graphed decode's bucket) write KV slot -1: dropped on store.
+    padded: bool = False
 
     @property
     def num_tokens(self) -> int:

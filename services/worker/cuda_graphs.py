@@ -157,7 +157,7 @@ class DecodeGraphs:
         batch = ForwardBatch(
             input_ids=ids, positions=positions, out_slots=slots, rows=rows, start_pos=positions, extend_lens=ones,
             seq_lens=seq_lens, cu_seqlens=self._arange[: size + 1], logit_index=self._arange[:size], mamba_slots=None,
-            start_pos_list=[0] * size, extend_lens_list=[1] * size, attn=NO_META,
+            start_pos_list=[0] * size, extend_lens_list=[1] * size, attn=NO_META, padded=True,
         )  # fmt: skip
 
         def forward() -> torch.Tensor:

@@ -70,7 +70,7 @@ def test_store_kv_drops_negative_slots() -> None:
     k_cache, v_cache = torch.randn(8, 2, 4), torch.randn(8, 2, 4)
     before_k, before_v = k_cache.clone(), v_cache.clone()
     k, v = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
-    store_kv(k_cache, v_cache, torch.tensor([-1, 5, -1]), k, v)
+    store_kv(k_cache, v_cache, torch.tensor([-1, 5, -1]), k, v, padded=True)
     assert torch.equal(k_cache[5], k[1]) and torch.equal(v_cache[5], v[1])
     others = torch.arange(8) != 5
     assert torch.equal(k_cache[others], before_k[others]) and torch.equal(v_cache[others], before_v[others])

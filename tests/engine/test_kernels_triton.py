@@ -63,9 +63,9 @@ def cases_kv_store() -> Results:
         out[f"store_kv/{dtype}"] = (err, 0.0)
         # Negative slots (a graphed decode's padding) are dropped by both: nothing else changes.
         before = [c.clone() for c in caches]
-        padded = torch.tensor([7, -1, 30, -1, -1])
-        store_kv(caches[0], caches[1], padded, k, v, impl="torch")
-        store_kv(caches[2], caches[3], padded, k, v, impl="triton")
+        with_pads = torch.tensor([7, -1, 30, -1, -1])
+        store_kv(caches[0], caches[1], with_pads, k, v, impl="torch", padded=True)
+        store_kv(caches[2], caches[3], with_pads, k, v, impl="triton", padded=True)
         err = max(rel_err(caches[2], caches[0]), rel_err(caches[3], caches[1]))
         changed = sum(int((c != b).any(dim=(1, 2)).sum()) for c, b in zip(caches, before, strict=True))
         out[f"store_kv/{dtype}/negative_slots_dropped"] = (err + abs(changed - 8), 0.0)  # 2 rows x 4 caches
