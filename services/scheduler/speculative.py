@@ -118,9 +118,14 @@ class Speculator:
     def drafting(self, req: Req, decoding: int) -> bool:
         """Whether ``req`` drafts while ``decoding`` requests decode: then it is planned only once
         its last token is known (with overlap scheduling, every other step). With prompt lookup,
-        only while the known tokens have something to look up (a cheap probe: text that never
-        recurs does not give up overlap for nothing)."""
-        return self._eligible(req, decoding) and (self.worker_drafts or bool(self.drafter(req, 1)))
+        only while the known tokens have something to look up that the request's grammar, if any,
+        takes (a cheap probe: text that never recurs does not give up overlap for nothing)."""
+        if not self._eligible(req, decoding):
+            return False
+        if self.worker_drafts:
+            return True
+        probe = self.drafter(req, 1)
+        return bool(probe) and (req.grammar is None or req.grammar.accepted_prefix(probe) > 0)
 
     def draft(self, req: Req, decoding: int) -> list[int]:
         """Drafts for ``req``'s next decode (empty: an ordinary decode) while ``decoding`` requests

@@ -94,6 +94,9 @@ def test_speculator_limits_and_pauses() -> None:
     constrained = _req(loop)
     constrained.grammar = _NoFours()
     assert spec.draft(constrained, 1) == [3] and spec.drafting(constrained, 1)  # cut where the grammar rejects
+    fours = _req([3, 4] * 5 + [3])  # looks up 4 next, which the grammar rejects: no draft, keeps its overlap
+    fours.grammar = _NoFours()
+    assert spec.draft(fours, 1) == [] and not spec.drafting(fours, 1)
     worker_drafts = Speculator(SpecConfig("draft"), context_length=64)
     assert worker_drafts.draft(constrained, 1) == [] and not worker_drafts.drafting(constrained, 1)
     assert worker_drafts.draft(_req(loop), 1) == [0] * 4  # placeholders the worker fills
