@@ -6,8 +6,8 @@ must be importable (a module-level function) and its result picklable.
 
 ``paths_scenario`` is the scenario the TP tests run on each rank: one engine, every cache path
 (cold, decode, chunked, prefix hit, host-reloaded, L3-reloaded, greedy decode with
-``use_last_sample``), the logits of each path (rank 0's are what the server would use) and the L3
-keys the rank wrote.
+``use_last_sample``; speculative verify passes), the logits of each path (rank 0's are what the
+server would use) and the L3 keys the rank wrote.
 """
 
 from __future__ import annotations
@@ -149,8 +149,9 @@ def prompt(n: int, seed: int, vocab: int = 768) -> list[int]:
 P, Q, S1, S2, S3, DEC = prompt(32, 1), prompt(30, 2), prompt(10, 3), prompt(9, 4), prompt(11, 5), prompt(4, 6)
 
 
-def paths_scenario(tp: Any, model_dir: str) -> dict[str, Any]:
-    """Every cache path on this rank's engine; see the module docstring."""
+def paths_scenario(tp: Any, model_dir: str, draft_truth: list[int] | None = None) -> dict[str, Any]:
+    """Every cache path on this rank's engine; see the module docstring. With ``draft_truth``
+    (greedy's answer after ``P``), also verify drafts against it (``_verify_drafts``)."""
     from services.worker.engine import Engine, EngineConfig
 
     l3 = FakePort()  # this rank's own dict; the real kvstore is in test_tp_services
@@ -195,43 +196,35 @@ def paths_scenario(tp: Any, model_dir: str) -> dict[str, Any]:
     out["l3_reloaded"] = d.logits([(e, S3)])[0]
     out["l3_keys"] = sorted(l3.pages)
     out["greedy"] = d.greedy(d.new(), P, 12)
+    if draft_truth is not None:
+        out["drafts"] = _verify_drafts(tp, d, draft_truth)
     out["info"] = engine.info
     out["reduced_bytes"] = tp.reduced_bytes
     return out
 
 
-def drafts_scenario(tp: Any, cases: list[tuple[str, list[int]]], n: int = 12, k: int = 3) -> list[dict[str, Any]]:
-    """Speculative verify passes on every rank: for each ``(model_dir, truth)``, prefill ``P`` and
-    then decode by verifying ``k`` drafts a step, taken from ``truth`` (greedy's answer) with every
-    third output position wrong, so steps keep some drafts and reject the rest. Rank 0 samples;
-    every rank must end each step with the same row length and (hybrid) recurrent state, or the
-    next step's forward differs. Returns, per case, the tokens kept and how many each step kept."""
-    from services.worker.engine import Engine, EngineConfig
-
-    results = []
-    for model_dir, truth in cases:
-        cfg = EngineConfig(kv_cache_bytes=2 << 20, max_rows=4, max_context=256, mamba_slots=4, threads=1)
-        engine = Engine(model_dir, cfg, tp=tp)
-        d = _Driver(engine)
-        r = d.new()
-        step = StepRequest(next(d._step), ops=d.ops, reqs=[d._input(r, P)])
-        d.ops = []
-        out = [_shared(tp, engine.step(step).outputs, 1)[0]]
-        per_step = []
-        while len(out) < n:
-            at = len(out)
-            drafts = [t if (at + j) % 3 else (t + 1) % 768 for j, t in enumerate(truth[at : min(at + k, n - 1)])]
-            slots = d.take(1 + len(drafts))
-            inp = ReqInput(
-                r.rid, r.row, [out[-1], *drafts], len(P) + at - 1, slots, mamba_slot=r.mamba if d.hybrid else None,
-                sampling=GREEDY, output_index=at, num_draft=len(drafts),
-            )  # fmt: skip
-            kept = _shared(tp, engine.step(StepRequest(next(d._step), reqs=[inp])).outputs, 1 + len(drafts))
-            out += kept
-            per_step.append(len(kept))
-        results.append({"tokens": out[:n], "kept": per_step})
-    return results
-
+def _verify_drafts(tp: Any, d: _Driver, truth: list[int], n: int = 12, k: int = 3) -> dict[str, Any]:
+    """Speculative verify passes on every rank: prefill ``P`` on a new row, then decode by
+    verifying ``k`` drafts a step, taken from ``truth`` (greedy's answer) with every third output
+    position wrong, so steps keep some drafts and reject the rest. Rank 0 samples; every rank must
+    end each step with the same row length and (hybrid) recurrent state, or the next step's
+    forward differs. Returns the tokens kept and how many each step kept."""
+    r = d.new()
+    step = StepRequest(next(d._step), ops=d.ops, reqs=[d._input(r, P)])
+    d.ops = []
+    out = [_shared(tp, d.engine.step(step).outputs, 1)[0]]
+    per_step = []
+    while len(out) < n:
+        at = len(out)
+        drafts = [t if (at + j) % 3 else (t + 1) % 768 for j, t in enumerate(truth[at : min(at + k, n - 1)])]
+        inp = ReqInput(
+            r.rid, r.row, [out[-1], *drafts], len(P) + at - 1, d.take(1 + len(drafts)),
+            mamba_slot=r.mamba if d.hybrid else None, sampling=GREEDY, output_index=at, num_draft=len(drafts),
+        )  # fmt: skip
+        kept = _shared(tp, d.engine.step(StepRequest(next(d._step), reqs=[inp])).outputs, 1 + len(drafts))
+        out += kept
+        per_step.append(len(kept))
+    return {"tokens": out[:n], "kept": per_step}
 
 def _shared(tp: Any, outputs: list[Any], most: int) -> list[int]:
     """Rank 0's sampled ids (up to ``most``), on every rank (the harness's own bookkeeping)."""

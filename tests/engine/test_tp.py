@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (gloo): every rank of a real process group runs the same steps.
 
 Rank 0's logits must match transformers within 1e-4 on every cache path (cold, decode, chunked,
-prefix hit, host-reloaded, L3-reloaded) and its greedy output must equal ``generate``; each rank
+prefix hit, host-reloaded, L3-reloaded) and its greedy output must equal ``generate``, also when
+decoding by verifying drafts (TP 2: every rank rolls back to what rank 0 kept); each rank
 holds only its shard (fewer KV heads, its own L3 keys); a wrong TP size is refused naming the
 config key.
 """
@@ -9,6 +10,7 @@ config key.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ import torch
 from services.common.page_hash import rank_key
 from services.worker.tp import Tp
 from tests.reference import hf_greedy, hf_model
-from tests.tp_harness import DEC, PAGE, S1, S2, S3, P, Q, drafts_scenario, paths_scenario, run_group
+from tests.tp_harness import DEC, PAGE, S1, S2, S3, P, Q, paths_scenario, run_group
 
 TOL = 1e-4
 
@@ -27,6 +29,25 @@ def reference(model_dir: Path, *pieces: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = hf_model(str(model_dir))(torch.tensor([ids])).logits[0].float()
     return logits[len(ids) - len(pieces[-1]) :]
+
+
+def run_paths(model_dir: Path, size: int) -> list[dict[str, Any]]:
+    """``paths_scenario`` on every rank of a group; at TP 2 with speculative verify passes too."""
+    truth = hf_greedy(model_dir, P, 12, stop_at_eos=False) if size == 2 else None
+    ranks = run_group(size, paths_scenario, str(model_dir), truth)
+    if truth is not None:
+        check_drafts(truth, ranks)
+    return ranks
+
+
+def check_drafts(truth: list[int], ranks: list[dict[str, Any]]) -> None:
+    """Verify passes (scheduler-side drafts): rank 0 samples every position and keeps part of the
+    drafts; the followers learn what it kept, so their rows and recurrent states end where rank
+    0's do (else the next step's all-reduced forward differs) and the answer equals transformers."""
+    got = ranks[0]["drafts"]
+    assert got["tokens"] == truth
+    assert any(k < 4 for k in got["kept"]) and any(k > 1 for k in got["kept"]), got["kept"]
+    assert all(r["drafts"] == got for r in ranks)
 
 
 def check_paths(model_dir: Path, out: dict[str, torch.Tensor]) -> None:
@@ -46,7 +67,7 @@ def check_paths(model_dir: Path, out: dict[str, torch.Tensor]) -> None:
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_dense_every_path_matches_transformers(tiny_qwen3: Path, size: int) -> None:
-    ranks = run_group(size, paths_scenario, str(tiny_qwen3))
+    ranks = run_paths(tiny_qwen3, size)
     check_paths(tiny_qwen3, ranks[0])
     one = hf_model(str(tiny_qwen3)).config
     for r, out in enumerate(ranks):
@@ -67,7 +88,7 @@ def test_dense_every_path_matches_transformers(tiny_qwen3: Path, size: int) -> N
 @pytest.mark.parametrize("size", [2, 4])
 def test_hybrid_every_path_matches_transformers(tiny_qwen3_next: Path, size: int) -> None:
     """TP 2 splits the 2 linear key heads; TP 4 replicates each on 2 ranks and splits its value heads."""
-    ranks = run_group(size, paths_scenario, str(tiny_qwen3_next))
+    ranks = run_paths(tiny_qwen3_next, size)
     check_paths(tiny_qwen3_next, ranks[0])
     for out in ranks:
         assert out["info"].state_layout.endswith(f"/tp0of{size}")
@@ -99,14 +120,3 @@ def test_each_rank_gets_its_own_gpu() -> None:
     assert rank_device("cuda", 1) == "cuda:1"
     assert rank_device("cpu", 3) == "cpu"
 
-
-def test_verifying_drafts_keeps_the_ranks_in_step(tiny_qwen3: Path, tiny_qwen3_next: Path) -> None:
-    """Speculative decoding (scheduler-side drafts) under TP 2, dense and hybrid: rank 0 samples
-    every position and keeps part of the drafts; the followers learn what it kept, so their rows
-    and recurrent states end where rank 0's do and the answer still equals transformers."""
-    cases = [(str(m), hf_greedy(m, P, 12, stop_at_eos=False)) for m in (tiny_qwen3, tiny_qwen3_next)]
-    ranks = run_group(2, drafts_scenario, cases)
-    for (model, truth), got in zip(cases, ranks[0], strict=True):
-        assert got["tokens"] == truth, model
-        assert any(k < 4 for k in got["kept"]) and any(k > 1 for k in got["kept"]), got["kept"]
-    assert ranks[1] == ranks[0]
