@@ -31,7 +31,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SRCS = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "fused.c"))
+_SRCS = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "fused.c", "skinny_linear.c"))
 _COMPILE = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 _LINK = ("-shared", "-fopenmp")
 # (compile flags, link libraries), tried in order. -ffast-math lets gcc call glibc's vector expf
@@ -124,6 +124,8 @@ def load() -> ctypes.CDLL | None:
         lib.strata_rms_norm_rope_f32.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, ptr, i64]
         for name in ("strata_silu_mul_f32", "strata_add_rms_norm_f32", "strata_rms_norm_rope_f32"):
             getattr(lib, name).restype = None
+        lib.strata_skinny_linear_f32.argtypes = [ptr] * 4 + [i64] * 3
+        lib.strata_skinny_linear_f32.restype = ctypes.c_int
         _lib = lib
         return lib
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
+from kernels.linear import few_rows
 from services.common.step import (
     MAX_TOP_LOGPROBS,
     HostBackup,
@@ -234,7 +235,7 @@ class Engine:
         start = time.perf_counter()
         idle = 0.0 if self._last_end is None else start - self._last_end
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), few_rows(_decodes_only(req.reqs)):
                 result = self._step(req, late_masks)
         finally:
             self._last_end = time.perf_counter()
@@ -246,7 +247,7 @@ class Engine:
 
         KV and Mamba state are written exactly as ``step`` would (so later steps can reuse them).
         """
-        with torch.inference_mode():
+        with torch.inference_mode(), few_rows(_decodes_only(req.reqs)):
             self._validate(req)
             self._run_ops(req)
             if not req.reqs:
@@ -624,6 +625,12 @@ def _draft_slot_bytes(cfg: EngineConfig, model: CausalLM, dtype: torch.dtype) ->
     except (OSError, ValueError) as e:
         raise ValueError(f"speculative_draft_model {cfg.draft_model}: {e}") from e
     return KVPool.slot_bytes(d.num_layers, d.num_kv_heads, d.head_dim, dtype)
+
+
+def _decodes_only(reqs: list[ReqInput]) -> bool:
+    """No prefill chunk among ``reqs``: every one is a decode (one input) or a verify pass. Such a
+    step's GEMMs of a few rows may take the native kernel (``kernels.linear.few_rows``)."""
+    return all(len(r.input_ids) <= 1 or r.num_draft for r in reqs)
 
 
 def _padded_samples(reqs: list[ReqInput], outputs: list[ReqOutput]) -> list[int]:

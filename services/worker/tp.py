@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
+
+from kernels.linear import Linear, linear
 
 HEARTBEAT = -1  # a message length meaning "no step: still here"
 
@@ -203,14 +203,14 @@ def shard_cols(param: torch.Tensor, *pieces: tuple[int, int]) -> torch.Tensor:
 
 def column_linear(
     in_features: int, out_features: int, tp: Tp, bias: bool = False, pieces: tuple[tuple[int, int], ...] = ()
-) -> nn.Linear:
+) -> Linear:
     """A ``Linear`` holding output rows ``pieces`` (default: this rank's even split of
     ``out_features``); its output is this rank's part, not reduced."""
     if not pieces:
         start, per = tp.split(out_features, "a column-parallel projection's outputs")
         pieces = ((start, start + per),)
     rows = sum(b - a for a, b in pieces)
-    layer = nn.Linear(in_features, rows, bias=bias)
+    layer = Linear(in_features, rows, bias=bias)
     if tp.size > 1:
         shard_rows(layer.weight, *pieces)
         if layer.bias is not None:
@@ -218,7 +218,7 @@ def column_linear(
     return layer
 
 
-class RowLinear(nn.Linear):
+class RowLinear(Linear):
     """A ``Linear`` holding input columns ``[r*in/n, (r+1)*in/n)``: ``forward`` returns this rank's
     partial sum (the bias is added by rank 0 only), for the caller to all-reduce once per block."""
 
@@ -231,4 +231,4 @@ class RowLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        return F.linear(x, self.weight, bias)
+        return linear(x, self.weight, bias)

@@ -12,6 +12,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from kernels.linear import Linear
 from services.worker.batch import ForwardBatch, ForwardContext
 from services.worker.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from services.worker.tp import SINGLE, RowLinear, Tp, column_linear
@@ -180,7 +181,7 @@ class Qwen3ForCausalLM(nn.Module):
         cfg = DenseConfig.from_hf(hf_config, qk_norm=self.qk_norm)
         self.config = cfg
         self.model = DenseModel(cfg, tp)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             # One Parameter under two names: the loader fills it from whichever name is stored.
             self.lm_head.weight = self.model.embed_tokens.weight

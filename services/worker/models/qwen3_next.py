@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels.linear import Linear
 from services.worker.batch import ForwardBatch, ForwardContext
 from services.worker.mamba_pool import MambaSpec
 from services.worker.models.layers import SwiGLU
@@ -197,7 +198,7 @@ class Qwen3NextForCausalLM(nn.Module):
         a = Qwen3NextArgs.from_hf(hf_config)
         self.args = a
         self.model = Qwen3NextModel(a, tp)
-        self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        self.lm_head = Linear(a.hidden_size, a.vocab_size, bias=False)
         if a.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = PartialRotary(a.head_dim, a.partial_rotary_factor, a.rope_theta)

@@ -1,0 +1,83 @@
+"""The models' linear layers: ``F.linear``, except a decode of a few rows on the CPU.
+
+At M = 3..8 rows (a small batch's decode step, a verify pass of a few drafts) MKL's sgemm reads
+the weights at well under the memory's rate, and the weights are most of what such a step reads:
+``kernels/csrc/skinny_linear.c`` streams each weight row once for all M rows. Measured on the
+bench model's 57 weight matrices with cold caches (2 threads), ms per pass over all of them:
+
+    M            1     2     3     4     6     8
+    F.linear  4.79  5.38  6.23  8.92  9.57  10.37
+    skinny    4.35  5.56  5.75  5.90  6.57   7.42
+
+and per engine step of the bench model (512-token contexts, alternated, median of 5): decode at
+batch 4 19.5 -> 16.1 ms, at batch 8 24.3 -> 20.5 ms, a verify of 4 drafts at batch 1 19.4 -> 16.8 ms
+(docs/benchmarks.md). One and two rows were no faster in the model (11.1 vs 11.8 ms, 12.7 vs 12.7
+ms), so they keep MKL.
+
+The kernel's results agree with ``F.linear``'s to rounding (~1e-6 relative: its summation order is
+not MKL's), so it is used only where the engine says so (``few_rows``, per step): in steps of
+decodes and verify passes, whose GEMMs already differ in shape, and so in rounding, from a
+reference's one-sequence decode. A prefill chunk keeps MKL: its logits are then bit for bit what
+transformers computes for the same chunk, which the hybrid model's tests rely on (a 7-token
+chunk moved 1.8e-4 from transformers' logits through the kernel; the bar is 1e-4). Everything else
+(other row counts, half precision, a GPU, no C compiler, autograd) keeps ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.native import load
+
+ROWS = range(3, 9)  # the row counts that take the kernel (it takes 1..8; 1 and 2 measured no faster)
+_scope = threading.local()  # .on: inside few_rows(True), on this thread
+
+
+@contextmanager
+def few_rows(on: bool) -> Iterator[None]:
+    """Within the block (this thread only), ``linear`` takes the native kernel for ``ROWS`` rows;
+    outside it, never. The engine turns it on for a forward with no prefill chunk."""
+    before = getattr(_scope, "on", False)
+    _scope.on = on
+    try:
+        yield
+    finally:
+        _scope.on = before
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x [..., K]``, ``weight [N, K]``."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if (
+        rows in ROWS
+        and getattr(_scope, "on", False)
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and x.device.type == "cpu"
+        and weight.is_contiguous()
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+        and not torch.is_grad_enabled()
+        and (lib := load()) is not None
+    ):
+        n = weight.shape[0]
+        xs = x.reshape(rows, k).contiguous()
+        out = torch.empty((rows, n), dtype=torch.float32)
+        lib.strata_skinny_linear_f32(
+            xs.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), rows, n, k
+        )
+        return out.view(*x.shape[:-1], n)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose forward is ``linear``: the same parameters and checkpoint names."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)

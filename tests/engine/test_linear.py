@@ -1,0 +1,119 @@
+"""The skinny linear kernel (``kernels/csrc/skinny_linear.c``) against float64, and ``linear``'s
+dispatch: every shape it takes agrees with ``F.linear`` to rounding; what it does not take is
+``F.linear`` itself; the engine lets it run in steps of decodes and verify passes only."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels.linear
+from kernels.linear import ROWS, Linear, few_rows, linear
+from kernels.native import load
+from services.common.step import ReqInput, StepRequest
+from tests import sched_harness as h
+
+pytestmark = pytest.mark.skipif(load() is None, reason="no C compiler: the native kernels are not built")
+
+
+def _skinny(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    lib = load()
+    assert lib is not None
+    out = torch.full((x.shape[0], w.shape[0]), float("nan"))
+    rc = lib.strata_skinny_linear_f32(
+        x.data_ptr(), w.data_ptr(), 0 if b is None else b.data_ptr(), out.data_ptr(), x.shape[0], w.shape[0], w.shape[1]
+    )
+    assert rc == 0
+    return out
+
+
+@pytest.mark.parametrize("rows", range(1, 9))
+def test_every_row_count_matches_float64(rows: int) -> None:
+    """K below, at and past the 16-lane step (the scalar tail), N not a multiple of any tile."""
+    gen = torch.Generator().manual_seed(rows)
+    for n, k, bias in itertools.product((1, 2, 3, 5, 67), (1, 15, 16, 17, 100, 512), (False, True)):
+        x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+        b = torch.randn(n, generator=gen) if bias else None
+        want = F.linear(x.double(), w.double(), None if b is None else b.double())
+        got = _skinny(x, w, b)
+        err = float((got.double() - want).abs().max())
+        assert err <= 1e-5 * (1 + float(want.abs().max())), (rows, n, k, bias, err)
+
+
+def test_rows_outside_the_kernel_are_refused() -> None:
+    lib = load()
+    assert lib is not None
+    x, w, out = torch.randn(9, 4), torch.randn(3, 4), torch.zeros(9, 3)
+    assert lib.strata_skinny_linear_f32(x.data_ptr(), w.data_ptr(), 0, out.data_ptr(), 9, 3, 4) == -1
+    assert not out.any()
+
+
+def test_linear_dispatch_agrees_with_torch() -> None:
+    """3-D and non-contiguous inputs, every row count around the kernel's range, and the cases
+    that must keep ``F.linear`` (grad, fp64) bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(48, 40, generator=gen), torch.randn(48, generator=gen)
+    for rows in range(1, 12):
+        x = torch.randn(rows, 2, 40, generator=gen)[:, 0]  # rows of a wider tensor: not contiguous
+        with torch.inference_mode():
+            with few_rows(True):
+                got = linear(x, w, b)
+            outside, want = linear(x, w, b), F.linear(x, w, b)
+        assert got.shape == want.shape == (rows, 48)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(outside, want)  # outside few_rows: torch's path, bit for bit
+        if rows not in ROWS:
+            assert torch.equal(got, want)
+    x3 = torch.randn(1, 4, 40, generator=gen)
+    with torch.inference_mode(), few_rows(True):
+        torch.testing.assert_close(linear(x3, w), F.linear(x3, w), rtol=1e-5, atol=1e-5)
+    x = torch.randn(4, 40, generator=gen, requires_grad=True)
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b))  # autograd: torch's path
+    xd, wd = x.detach().double(), w.double()
+    with torch.inference_mode(), few_rows(True):
+        assert torch.equal(linear(xd, wd), F.linear(xd, wd))
+    layer = Linear(40, 48)
+    assert set(dict(layer.named_parameters())) == {"weight", "bias"}  # the checkpoint's names
+
+
+class _Counting:
+    """The native library, counting calls of the skinny kernel."""
+
+    def __init__(self, lib: Any) -> None:
+        self.lib, self.calls = lib, 0
+
+    def strata_skinny_linear_f32(self, *args: Any) -> int:
+        self.calls += 1
+        return int(self.lib.strata_skinny_linear_f32(*args))
+
+
+def test_the_engine_uses_it_for_decodes_and_verify_passes_only(
+    tiny_qwen3: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """4 decodes and a verify pass of 3 drafts take the kernel; a prefill chunk of 5 tokens, alone
+    or beside decodes, keeps MKL (its logits stay bit for bit what a reference computes)."""
+    lib = load()
+    counting = _Counting(lib)
+    monkeypatch.setattr(kernels.linear, "load", lambda: counting)
+    eng = h.engine(tiny_qwen3, kv_cache_bytes=1 << 20, max_rows=8)
+    slots = iter(range(1, 1000))
+    steps = iter(range(1, 100))
+
+    def step(*reqs: ReqInput) -> int:
+        before = counting.calls
+        eng.step(StepRequest(next(steps), reqs=list(reqs)))
+        return counting.calls - before
+
+    def new(row: int, ids: list[int], start: int = 0, drafts: int = 0) -> ReqInput:
+        return ReqInput(f"r{row}", row, ids, start, [next(slots) for _ in ids], num_draft=drafts)
+
+    assert step(*(new(r, [5 + r] * 6) for r in range(4))) == 0  # prefill chunks: 24 rows, and chunks
+    assert step(new(4, [9, 10, 11, 12, 13])) == 0  # a 5-token chunk alone
+    assert step(*(new(r, [7], start=6) for r in range(4))) > 0  # 4 decodes
+    assert step(new(0, [8, 9, 10, 11], start=7, drafts=3)) > 0  # a verify pass: 4 rows
+    assert step(new(1, [7], start=7), new(2, [7], start=7), new(5, [3, 4, 5])) == 0  # decodes + a chunk
