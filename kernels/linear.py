@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fused import usable
 from kernels.native import load
 
 ROWS = range(3, 9)  # the row counts that take the kernel (it takes 1..8; 1 and 2 measured no faster)
@@ -53,27 +54,30 @@ def few_rows(on: bool) -> Iterator[None]:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [..., K]``, ``weight [N, K]``."""
-    k = x.shape[-1]
-    rows = x.numel() // k if k else 0
-    if (
-        rows in ROWS
-        and getattr(_scope, "on", False)
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and x.device.type == "cpu"
-        and weight.is_contiguous()
-        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
-        and not torch.is_grad_enabled()
-        and (lib := load()) is not None
-    ):
-        n = weight.shape[0]
-        xs = x.reshape(rows, k).contiguous()
-        out = torch.empty((rows, n), dtype=torch.float32)
-        lib.strata_skinny_linear_f32(
-            xs.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), rows, n, k
-        )
-        return out.view(*x.shape[:-1], n)
+    if getattr(_scope, "on", False) and not torch.is_grad_enabled():
+        k = x.shape[-1]
+        rows = x.numel() // k if k else 0
+        if (
+            rows in ROWS
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and usable(weight, *(() if bias is None else (bias,)))
+        ):
+            return _few_rows(x.reshape(rows, k).contiguous(), weight, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+def _few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The native kernel on ``x [M, K]`` (contiguous, M in ``ROWS``); ``weight`` and ``bias`` as
+    ``kernels.fused.usable`` takes them."""
+    lib = load()
+    assert lib is not None
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+    lib.strata_skinny_linear_f32(
+        x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0],
+        weight.shape[0], x.shape[1],
+    )  # fmt: skip
+    return out
 
 
 class Linear(nn.Linear):
