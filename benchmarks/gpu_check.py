@@ -22,7 +22,8 @@ default: with the wheels' install the whole call fits the device tool's 10-minut
 6. ``step``     benchmarks/gpu_step.py on the bench and 0.6b models in bf16: prefill 4k, decode at
                 batch 1 / 64 / 256, the attention kernels' bandwidth against the copy rate;
 7. ``control``  benchmarks/overhead.py: 256 streams × 256 tokens on the null model, the worker on the
-                device, the gRPC and HTTP fronts, one repeat: the control plane's tokens/s.
+                device, the gRPC and HTTP fronts, one repeat: the control plane's tokens/s; with
+                ``--control 1x4,2x4``, one run per tokenizer front processes × client processes.
 
 The test phases run pytest with ``STRATA_TEST_DEVICE`` set to the device (tests/device.py).
 ``--out`` (JSON: the device, every phase's status and time, tests passed / failed / skipped with the
@@ -110,6 +111,8 @@ class Config:
     budget_s: float
     only: tuple[str, ...]
     rev: str
+    # the control phase: one overhead.py run per (front processes, client processes), in turn
+    control: tuple[tuple[int, int], ...] = ((1, 1),)
 
 
 @dataclass(slots=True)
@@ -320,32 +323,38 @@ def phase_step(run: Run, limit: float) -> dict[str, Any]:
     return {"status": "ok", "seconds": round(o.seconds, 1), "flat_decode_goal_met": met}
 
 
-def control_command(cfg: Config) -> list[str]:
+def control_command(cfg: Config, fronts: int = 1, clients: int = 1) -> list[str]:
     return [*_python(), "benchmarks/overhead.py", "--model", str(cfg.models / "qwen3-null"), *CONTROL_ARGS,
             "--out", str(cfg.work / "overhead.json"), "--run-dir", str(cfg.work / "overhead-run"),
-            "--worker-arg=--device", f"--worker-arg={cfg.device}"]  # fmt: skip
+            "--worker-arg=--device", f"--worker-arg={cfg.device}",
+            "--front-processes", str(fronts), "--client-processes", str(clients)]  # fmt: skip
 
 
 def phase_control(run: Run, limit: float) -> dict[str, Any]:
-    cmd = control_command(run.cfg)
+    """One overhead.py run per ``cfg.control`` entry; the figures under ``fronts`` (the first
+    entry's, as before) and ``by_processes`` (``"F fronts, C clients"``: each entry's)."""
     if run.cfg.dry_run:  # a whole stack is too slow for make test: check the rig starts, record the command
         o = run.command([*_python(), "benchmarks/overhead.py", "--help"], limit)
-        return {"status": "skipped" if o.rc == 0 else "failed", "reason": "dry run", "command": cmd,
-                "seconds": round(o.seconds, 1)}  # fmt: skip
-    out = run.cfg.work / "overhead.json"
-    out.unlink(missing_ok=True)
-    o = run.command(cmd, limit)
-    if o.rc != 0 or not out.exists():
-        for log in sorted((run.cfg.work / "overhead-run").glob("*.log")):
-            run.log(f"--- {log.name}\n{log.read_text(errors='replace')[-8192:]}")
-        return {"status": "timeout" if o.rc is None else "failed", "seconds": round(o.seconds, 1), "rc": o.rc}
-    runs = json.loads(out.read_text())["runs"]
-    run.result["figures"]["control"] = {
-        "streams": int(CONTROL_ARGS[1]), "tokens": int(CONTROL_ARGS[3]),
-        "fronts": {r["front"]: {k: r[k] for k in ("tokens_per_s", "step_ms", "ttft_p50_ms", "itl_p50_ms",
-                                                   "output_tokens", "failed", "cpu_us_per_token")} for r in runs},
-    }  # fmt: skip
-    return {"status": "ok", "seconds": round(o.seconds, 1)}
+        return {"status": "skipped" if o.rc == 0 else "failed", "reason": "dry run",
+                "command": control_command(run.cfg, *run.cfg.control[0]), "seconds": round(o.seconds, 1)}  # fmt: skip
+    keys = ("tokens_per_s", "step_ms", "ttft_p50_ms", "itl_p50_ms", "output_tokens", "failed", "cpu_us_per_token",
+            "tokenizer_each")  # fmt: skip
+    figures: dict[str, Any] = {"streams": int(CONTROL_ARGS[1]), "tokens": int(CONTROL_ARGS[3]), "by_processes": {}}
+    run.result["figures"]["control"] = figures
+    t0 = time.monotonic()
+    for fronts, clients in run.cfg.control:
+        out = run.cfg.work / "overhead.json"
+        out.unlink(missing_ok=True)
+        o = run.command(control_command(run.cfg, fronts, clients), limit - (time.monotonic() - t0))
+        if o.rc != 0 or not out.exists():
+            for log in sorted((run.cfg.work / "overhead-run").glob("*.log")):
+                run.log(f"--- {log.name}\n{log.read_text(errors='replace')[-8192:]}")
+            return {"status": "timeout" if o.rc is None else "failed", "seconds": round(time.monotonic() - t0, 1),
+                    "rc": o.rc}  # fmt: skip
+        by_front = {r["front"]: {k: r.get(k) for k in keys} for r in json.loads(out.read_text())["runs"]}
+        figures.setdefault("fronts", by_front)
+        figures["by_processes"][f"{fronts} fronts, {clients} clients"] = by_front
+    return {"status": "ok", "seconds": round(time.monotonic() - t0, 1)}
 
 
 # (name, time limit in seconds, phase)
@@ -355,7 +364,7 @@ PHASES: tuple[tuple[str, float, Callable[[Run, float], dict[str, Any]]], ...] = 
     ("elastic", 60.0, lambda run, limit: phase_tests(run, "elastic", limit)),
     ("engine", 240.0, lambda run, limit: phase_tests(run, "engine", limit)),
     ("step", 180.0, phase_step),
-    ("control", 150.0, phase_control),
+    ("control", 420.0, phase_control),  # ~60-100 s per --control entry, the budget permitting
 )
 
 
@@ -426,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help="comma-separated phases to run (env always runs): "
                    + ", ".join(n for n, _, _ in PHASES))  # fmt: skip
     p.add_argument("--rev", default=None, help="the commit under test (default: git's HEAD, where there is one)")
+    p.add_argument("--control", default="1x1", help="the control phase's runs, in turn: comma-separated "
+                   "FxC (the tokenizer's --front-processes F, C client processes)")
     p.add_argument("--probe-env", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     device = a.device or ("cpu" if a.dry_run else "cuda")
@@ -438,8 +449,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown phases {unknown}")
     if device != "cpu" and a.dry_run:
         p.error("--dry-run runs on the CPU")
+    try:
+        control = tuple((int(f), int(c)) for f, c in (x.split("x") for x in a.control.split(",")))
+    except ValueError:
+        p.error(f"--control: expected FxC[,FxC...], got {a.control!r}")
+    if not control or min(min(x) for x in control) < 1:
+        p.error(f"--control: counts must be >= 1, got {a.control!r}")
     cfg = Config(device, a.dry_run, a.out, a.log or a.out.with_name("gpu_check.log"), a.work, a.models, a.budget_s,
-                 only, a.rev if a.rev is not None else _git_rev())  # fmt: skip
+                 only, a.rev if a.rev is not None else _git_rev(), control)  # fmt: skip
     return check(cfg)
 
 

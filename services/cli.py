@@ -60,7 +60,8 @@ def _stack_args(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
         worker += ("--speculative-mtp", "true")
     tokenizer = given(("--api-key", args.api_key), ("--api-key-file", args.api_key_file),
                       ("--model-name", args.served_model_name), ("--router-policy", args.router_policy),
-                      ("--tool-call-parser", args.tool_call_parser), ("--reasoning-parser", args.reasoning_parser))
+                      ("--tool-call-parser", args.tool_call_parser), ("--reasoning-parser", args.reasoning_parser),
+                      ("--front-processes", args.front_processes))
     return {"common": common, "worker": worker, "scheduler": scheduler, "tokenizer": tokenizer}
 
 
@@ -241,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="qwen3: <think>...</think> becomes reasoning_content (default none)")
     up.add_argument("--router-policy", default="", choices=["", "kv", "round_robin", "least_load"],
                     help="how the tokenizer picks a replica (default kv: where the prompt is cached, weighed by load)")
+    up.add_argument("--front-processes", type=int, default=None,
+                    help="tokenizer processes serving the public ports (default 1; more where one front "
+                         "process is the limit, ~20k streamed tokens/s)")
     up.add_argument("--tp", type=int, default=None,
                     help="tensor-parallel ranks per worker (the worker starts them; gloo on the CPU)")
     up.add_argument("--device", default="", help="worker device: cpu or cuda:N (default cpu)")

@@ -72,19 +72,23 @@ def greedy_sampling(max_new_tokens: int) -> pb.SamplingParams:
 
 
 class GrpcBackend:
-    """A client of ``strata.v1.Strata`` at ``address`` (one channel, many concurrent streams)."""
+    """A client of ``strata.v1.Strata`` at ``address``: many concurrent streams over ``channels``
+    channels, each its own TCP connection, taken in turn (a tokenizer with several front
+    processes gets a connection's streams on one of them)."""
 
-    def __init__(self, address: str, label: str = "gRPC stack") -> None:
+    def __init__(self, address: str, label: str = "gRPC stack", channels: int = 1) -> None:
         self.label = label
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._stub = pgrpc.StrataStub(self._channel)
+        # Each channel its own subchannel pool: channels of equal arguments share one connection.
+        options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)] if channels > 1 else CHANNEL_OPTIONS
+        self._channels = [grpc.aio.insecure_channel(address, options=options) for _ in range(channels)]
+        self._stubs = itertools.cycle([pgrpc.StrataStub(c) for c in self._channels])
 
     async def generate(self, prompt: list[int], max_new_tokens: int, rec: RequestRecord) -> list[int]:
         request = pb.GenerateRequest(
             input_ids=pb.TokenIds(ids=prompt), sampling=greedy_sampling(max_new_tokens), stream=True
         )
         out: list[int] = []
-        async for resp in self._stub.Generate(request):
+        async for resp in next(self._stubs).Generate(request):
             note_tokens(rec, len(resp.token_ids))
             out += resp.token_ids
             if resp.finish_reason in (pb.FINISH_REASON_ERROR, pb.FINISH_REASON_ABORT):
@@ -94,7 +98,8 @@ class GrpcBackend:
         return out
 
     async def close(self) -> None:
-        await self._channel.close()
+        for c in self._channels:
+            await c.close()
 
 
 # -- in-process ------------------------------------------------------------------------------------

@@ -71,14 +71,19 @@ class Server:
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         max_receive_bytes: int = MAX_MESSAGE_BYTES,
         client_auth: bool = True,
+        reuse_port: bool = False,
     ) -> None:
         """``max_receive_bytes``: larger requests get RESOURCE_EXHAUSTED from gRPC before any
         handler runs (the public port takes far less than the page batches between services).
         ``client_auth``: with TLS configured, require a client certificate from the services' CA
-        (internal ports); the public port takes users, who bring API keys instead."""
+        (internal ports); the public port takes users, who bring API keys instead. ``reuse_port``:
+        bind with ``SO_REUSEPORT``, to share the port with the other processes of one service
+        (the caller checks first that nothing else holds it)."""
         self._client_auth = client_auth
         # Telemetry first so error statuses are recorded on the span; errors innermost.
         options = [*SERVER_OPTIONS, ("grpc.max_receive_message_length", max_receive_bytes)]
+        if reuse_port:
+            options = [o for o in options if o[0] != "grpc.so_reuseport"] + [("grpc.so_reuseport", 1)]
         self._server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()], options=options)
         self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

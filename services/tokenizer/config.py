@@ -47,7 +47,19 @@ class TokenizerConfig:
     reasoning_parser: Literal["none", "qwen3"] = field(default="none", metadata=_h(
         "qwen3: a chat answer's leading think block becomes reasoning_content (HTTP API); none: it stays in content"
     ))
-    metrics_port: int = field(default=-1, metadata=_h("Prometheus port; -1 = off, 0 = pick"))
+    front_processes: int = field(default=1, metadata=_h(
+        "processes serving the public gRPC and HTTP ports: this one and N-1 more it starts, each routing its own "
+        "requests (one Python process streams ~20k tokens/s); connections are spread over them"
+    ))
+    front_index: int = field(default=0, metadata=_h(
+        "this process's place among --front-processes (set by the first for the others; leave 0)"
+    ))
+    http_fd: int = field(default=-1, metadata=_h(
+        "serve HTTP on this inherited listening socket (set by the first front process for the others)"
+    ))
+    metrics_port: int = field(default=-1, metadata=_h(
+        "Prometheus port; -1 = off, 0 = pick; front process i (--front-processes) serves on this + i"
+    ))
     trace_exporter: Literal["none", "console", "file", "otlp"] = field(default="none", metadata=_h("spans"))
     trace_target: str = field(default="", metadata=_h("file path or OTLP endpoint for spans"))
     log_level: str = field(default="info", metadata=_h("debug, info, warning, error"))
@@ -64,5 +76,9 @@ class TokenizerConfig:
             raise ConfigError(f"resume_wait_s: must be >= 0, got {self.resume_wait_s}")
         if self.router_load_weight < 0:
             raise ConfigError(f"router_load_weight: must be >= 0, got {self.router_load_weight}")
+        if self.front_processes < 1:
+            raise ConfigError(f"front_processes: must be >= 1, got {self.front_processes}")
+        if not 0 <= self.front_index < self.front_processes:
+            raise ConfigError(f"front_index: must be in [0, {self.front_processes}), got {self.front_index}")
         if not -1 <= self.http_port <= 65535:
             raise ConfigError(f"http_port: must be -1 (pick), 0 (off) or a port, got {self.http_port}")

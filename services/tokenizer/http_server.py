@@ -44,10 +44,18 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class HttpServer:
-    def __init__(self, app: FastAPI, host: str, port: int, tls_cert: str = "", tls_key: str = "") -> None:
-        """HTTPS when ``tls_cert`` and ``tls_key`` are given."""
-        self._sock = bind(host, port)
+    def __init__(
+        self, app: FastAPI, host: str, port: int, tls_cert: str = "", tls_key: str = "", fd: int = -1
+    ) -> None:
+        """HTTPS when ``tls_cert`` and ``tls_key`` are given. ``fd`` >= 0: serve on that inherited
+        listening socket (another front process bound it) instead of binding ``host:port``."""
+        if fd >= 0:
+            self._sock = socket.socket(fileno=fd)
+            self._sock.setblocking(False)
+        else:
+            self._sock = bind(host, port)
         self.port = self._sock.getsockname()[1]
+        self.fd = self._sock.fileno()  # what other front processes inherit
         config = uvicorn.Config(
             app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2,
             ssl_certfile=tls_cert or None, ssl_keyfile=tls_key or None,

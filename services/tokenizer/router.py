@@ -143,6 +143,10 @@ class Router:
         serving = [r for r in recs if r.role in ("", "both", role)] if role else recs
         return sorted(r.address for r in (serving or recs))
 
+    def addresses(self) -> list[str]:
+        """Every scheduler of the model, whatever its role."""
+        return self._addresses()
+
     def count(self) -> int:
         return len(self._addresses())
 

@@ -26,6 +26,7 @@ from services.tokenizer.answer import Answer
 from services.tokenizer.chat import Prepared, chat_inputs, render
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.fronts import Fronts, check_port_free
 from services.tokenizer.http_server import HttpServer
 from services.tokenizer.kv_index import Choice
 from services.tokenizer.model_files import ModelCard, load_tokenizer, read_card
@@ -130,10 +131,14 @@ class StrataServicer(pgrpc.StrataServicer):
         resume_wait_s: float = 10.0,
         tool_format: ToolFormat = "hermes",
         reasoning: ReasoningFormat = "none",
+        shared_ids: bool = False,
     ) -> None:
         """``tool_format``, ``reasoning``: the model's formats (``--tool-call-parser``,
-        ``--reasoning-parser``), which tool-call grammars follow."""
+        ``--reasoning-parser``), which tool-call grammars follow. ``shared_ids``: other front
+        processes serve the same ports (``--front-processes``), so an ``Abort`` of an id unknown
+        here goes to every scheduler."""
         self.metrics = metrics
+        self.shared_ids = shared_ids
         self.tool_format: ToolFormat = tool_format
         self.reasoning: ReasoningFormat = reasoning
         self.resume_wait_s = resume_wait_s  # a request whose scheduler was lost waits this long for another
@@ -450,12 +455,18 @@ class StrataServicer(pgrpc.StrataServicer):
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         address = self._running.get(request.request_id)
-        if not address:  # unknown, or not yet on a scheduler
+        if address:
+            addresses = [address]
+        elif self.shared_ids and request.request_id not in self._running:  # another front process's?
+            addresses = self.router.addresses()
+        else:  # unknown, or not yet on a scheduler
             return pb.AbortResponse(aborted=False)
-        resp = await self.router.stub(address).Abort(
-            spb.AbortRequest(request_id=request.request_id), metadata=tuple(telemetry.inject_context().items())
-        )
-        return pb.AbortResponse(aborted=resp.aborted)
+        metadata = tuple(telemetry.inject_context().items())
+        aborted = False
+        for a in addresses:
+            resp = await self.router.stub(a).Abort(spb.AbortRequest(request_id=request.request_id), metadata=metadata)
+            aborted = aborted or resp.aborted
+        return pb.AbortResponse(aborted=aborted)
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -500,15 +511,19 @@ async def serve(cfg: TokenizerConfig, stop: asyncio.Event) -> None:
     )
     await router.start()
     keys = ApiKeys.load(cfg.api_key, cfg.api_key_file)
+    shared = cfg.front_processes > 1  # the ports are shared with the other front processes (fronts.py)
+    if shared and cfg.front_index == 0 and cfg.port:
+        check_port_free(cfg.host, cfg.port)  # SO_REUSEPORT below would share it with anything else
     server = Server(
-        [*telemetry.server_interceptors(), AuthInterceptor(keys)], max_receive_bytes=PUBLIC_MAX_BYTES, client_auth=False
-    )
+        [*telemetry.server_interceptors(), AuthInterceptor(keys)], max_receive_bytes=PUBLIC_MAX_BYTES,
+        client_auth=False, reuse_port=shared,
+    )  # fmt: skip
     registry = CollectorRegistry()
     metrics = TokenizerMetrics(registry, card.name)
     metrics.index_pages.set_function(lambda: router.index.pages)
     servicer = StrataServicer(
         tok, card, router, fingerprint, metrics, resume_wait_s=cfg.resume_wait_s,
-        tool_format=cfg.tool_call_parser, reasoning=cfg.reasoning_parser,
+        tool_format=cfg.tool_call_parser, reasoning=cfg.reasoning_parser, shared_ids=shared,
     )  # fmt: skip
     server.add(pgrpc.add_StrataServicer_to_server, servicer, "strata.v1.Strata")
     port = await server.start(f"{cfg.host}:{cfg.port}")
@@ -520,7 +535,7 @@ async def serve(cfg: TokenizerConfig, stop: asyncio.Event) -> None:
             servicer, card.name, card.context_length, keys, registry, router.ready,
             cfg.tool_call_parser, cfg.reasoning_parser,
         )  # fmt: skip
-        http = HttpServer(front.app(), cfg.host, max(cfg.http_port, 0), cfg.tls_cert, cfg.tls_key)
+        http = HttpServer(front.app(), cfg.host, max(cfg.http_port, 0), cfg.tls_cert, cfg.tls_key, cfg.http_fd)
         await http.start()
         ready_line += f" {'https' if cfg.tls_cert else 'http'}={cfg.host}:{http.port}"
         log.info("tokenizer serving the OpenAI-compatible API on http://%s:%d/v1", cfg.host, http.port)
@@ -529,10 +544,16 @@ async def serve(cfg: TokenizerConfig, stop: asyncio.Event) -> None:
         record = ServiceRecord("tokenizer", cfg.instance_id or f"tokenizer-{port}", address, card.name)
         registration = Registration(cfg.etcd, record)
         await registration.start()
+    fronts = None
+    if shared and cfg.front_index == 0:
+        fronts = Fronts(cfg, port, http.fd if http is not None else -1)
+        await fronts.start(stop)
     log.info("tokenizer serving strata.v1.Strata on %s", address)
     settle_heap()
     print(ready_line, flush=True)
     await stop.wait()
+    if fronts is not None:
+        await fronts.stop()
     if http is not None:
         await http.stop()
     if registration is not None:
@@ -540,6 +561,8 @@ async def serve(cfg: TokenizerConfig, stop: asyncio.Event) -> None:
     await server.stop()
     await router.close()
     telemetry.shutdown_tracing()
+    if fronts is not None and fronts.lost:
+        raise SystemExit(f"tokenizer: {fronts.lost}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
