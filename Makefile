@@ -14,7 +14,7 @@ PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := strata/.generated
 PORT ?= 50051
 
-.PHONY: fuzz native bench-attention gpu-check gpu-wheels run test test-unit test-engine test-services test-all soak bench bench-servers bench-vllm bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas bench-tp bench-overhead bench-spec bench-pd bench-clients eval soak-hicache soak-text compose-certs lint protos install system-deps models clean
+.PHONY: chaos chaos-long-lived chaos-short fuzz native bench-attention gpu-check gpu-wheels run test test-unit test-engine test-services test-all soak bench bench-servers bench-vllm bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas bench-tp bench-overhead bench-spec bench-pd bench-clients eval soak-hicache soak-text compose-certs lint protos install system-deps models clean
 
 run: install models
 	$(BIN)/strata up --model $(TINY) --port $(PORT)
@@ -160,6 +160,14 @@ soak-text: install models
 chaos: install models
 	$(BIN)/python -m benchmarks.chaos --model $(TINY) --minutes 60 --warmup-s 60 --run-dir .runs/chaos \
 	  --out docs/bench/chaos.json --plot docs/bench/chaos.png
+
+# The hour again, with only replica 0's worker and scheduler ever killed: replica 1, the tokenizer,
+# the kvstore and etcd are SIGSTOPped where they would be killed, so they live the hour and their
+# RSS slopes span it (issue #29).
+chaos-long-lived: install models
+	$(BIN)/python -m benchmarks.chaos --model $(TINY) --minutes 60 --warmup-s 60 --run-dir .runs/chaos-long-lived \
+	  --spare worker-1,scheduler-1,tokenizer,kvstore,etcd \
+	  --out docs/bench/chaos_long_lived.json --plot docs/bench/chaos_long_lived.png
 
 chaos-short: install models
 	$(BIN)/python -m benchmarks.chaos --model $(TINY) --minutes 5 --run-dir .runs/chaos-short \

@@ -79,10 +79,21 @@ class ChaosConfig:
     kv_cache_bytes: str = "8MiB"  # per worker (~8k tokens of the tiny model): evicts, so L2 and L3 serve too
     host_cache_bytes: str = "16MiB"
     seed: int = 0
+    # Services (comma-separated: "worker-1,tokenizer") that are only ever SIGSTOPped, their kills
+    # turned into stops: they live the whole run, so their RSS slope spans it (`make chaos-long-lived`).
+    spare: str = ""
 
     def __post_init__(self) -> None:
         if self.minutes <= 0 or self.every_s <= self.stop_s or self.grpc_clients + self.http_clients < 1:
             raise ValueError("need minutes > 0, every_s > stop_s and at least one client")
+        known = {*TARGETS, *(f"{t}-1" for t in REPLICATED)}
+        unknown = sorted(set(self.spared) - known)
+        if unknown:
+            raise ValueError(f"spare: unknown services {unknown}; known: {sorted(known)}")
+
+    @property
+    def spared(self) -> tuple[str, ...]:
+        return tuple(x for x in self.spare.split(",") if x)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +106,7 @@ class Fault:
 def schedule(cfg: ChaosConfig) -> list[Fault]:
     """Fault ``k`` at ``first_s + k * every_s`` (within the run): target ``TARGETS[k % 5]``, kill for
     ``k // 5`` even and stop for odd; worker / scheduler on replica 0 or 1 so that every 20 faults
-    cover every (service, replica, signal)."""
+    cover every (service, replica, signal). A service in ``spare`` is stopped where it would be killed."""
     out: list[Fault] = []
     for k in itertools.count():
         at = cfg.first_s + k * cfg.every_s
@@ -105,7 +116,8 @@ def schedule(cfg: ChaosConfig) -> list[Fault]:
         replica = (k // 5 + k // 10) % 2
         if target in REPLICATED and replica:
             target = f"{target}-1"
-        out.append(Fault(at, target, "kill" if (k // 5) % 2 == 0 else "stop"))
+        kill = (k // 5) % 2 == 0 and target not in cfg.spared
+        out.append(Fault(at, target, "kill" if kill else "stop"))
     return out
 
 

@@ -77,6 +77,16 @@ def test_a_five_minute_run_hits_every_service_with_both_signals() -> None:
                                                    for r in ("", "-1") for a in ("kill", "stop")}  # fmt: skip
 
 
+def test_spared_services_are_stopped_never_killed() -> None:
+    spare = "worker-1,scheduler-1,tokenizer,kvstore,etcd"
+    hour = schedule(ChaosConfig(minutes=60, spare=spare))
+    assert len(hour) == 120
+    assert {f.target for f in hour if f.action == "kill"} == {"worker", "scheduler"}
+    assert {f.target for f in hour if f.action == "stop"} == {*spare.split(","), "worker", "scheduler"}
+    with pytest.raises(ValueError, match="worker-2"):
+        ChaosConfig(spare="worker-2")
+
+
 def _outcome(n: int, front: str, sent: float, ended: float, ids: list[int] = WANT, **kw: object) -> Outcome:
     text = "".join(map(chr, ids))
     times = [sent + 0.1 * (i + 1) for i in range(len(ids))]
