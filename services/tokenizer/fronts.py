@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -77,10 +78,13 @@ class Fronts:
         loop = asyncio.get_running_loop()
         ready: list[asyncio.Future[str]] = []
         for c in self._configs:
-            # From this (the loop's) thread: PR_SET_PDEATHSIG fires when the forking thread ends.
+            # From this (the loop's) thread: the parent-death signal that the child asks for
+            # (``follow_parent``) fires when the thread that started it ends. No ``preexec_fn``:
+            # Python code between fork and exec, beside gRPC's threads, crashed gRPC's poller
+            # (seen with TLS); without one, subprocess uses vfork, which runs no fork handlers.
             proc = subprocess.Popen(
                 [sys.executable, "-m", "services.tokenizer.server", *to_args(c)],
-                stdout=subprocess.PIPE, text=True, pass_fds=self._fds, preexec_fn=die_with_parent,
+                stdout=subprocess.PIPE, text=True, pass_fds=self._fds,
             )  # fmt: skip
             self.procs.append(proc)
             fut: asyncio.Future[str] = loop.create_future()
@@ -120,6 +124,17 @@ class Fronts:
             except subprocess.TimeoutExpired:
                 p.kill()
                 await asyncio.to_thread(p.wait)
+
+
+def follow_parent(index: int) -> None:
+    """In front process ``index`` (> 0), first thing: end with the first process (SIGTERM when it
+    dies, even by SIGKILL), and say whose log lines these are (they share its log)."""
+    die_with_parent()
+    if os.getppid() == 1:  # the first process died before we asked
+        os._exit(1)
+    name = f"tokenizer-front{index}"
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s"))
 
 
 def _follow(

@@ -26,7 +26,7 @@ from services.tokenizer.answer import Answer
 from services.tokenizer.chat import Prepared, chat_inputs, render
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.detokenizer import IncrementalDetokenizer
-from services.tokenizer.fronts import Fronts, check_port_free
+from services.tokenizer.fronts import Fronts, check_port_free, follow_parent
 from services.tokenizer.http_server import HttpServer
 from services.tokenizer.kv_index import Choice
 from services.tokenizer.model_files import ModelCard, load_tokenizer, read_card
@@ -495,6 +495,8 @@ def _continuation(sreq: spb.GenerateRequest, streamed: list[int], max_new_tokens
 
 
 async def serve(cfg: TokenizerConfig, stop: asyncio.Event) -> None:
+    if cfg.front_index:
+        follow_parent(cfg.front_index)
     telemetry.setup_tracing(
         "tokenizer", cfg.trace_exporter, cfg.trace_target.replace("{service}", "tokenizer")
     )

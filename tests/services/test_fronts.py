@@ -25,16 +25,23 @@ from tests.openai_stack import KEY, MODEL
 PROMPT = "The front processes share one port"
 
 
-@pytest.fixture(scope="module")
-def fronts(openai_stack: Stack, tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Child]:
-    run = tmp_path_factory.mktemp("fronts")
-    argv = [sys.executable, "-m", "services.tokenizer.server", "--model", str(tiny_qwen3), "--model-name", MODEL,
-            "--etcd", openai_stack.etcd_endpoint, "--port", "0", "--http-port", "-1",
-            "--front-processes", "2"]  # fmt: skip
+def _start(stack: Stack, model: Path, run: Path) -> Child:
+    argv = [sys.executable, "-m", "services.tokenizer.server", "--model", str(model), "--model-name", MODEL,
+            "--etcd", stack.etcd_endpoint, "--port", "0", "--http-port", "-1", "--front-processes", "2"]  # fmt: skip
     child = Child("tokenizer", argv, run / "tokenizer.log")
     child.start(dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         child.wait_ready(90)
+    except BaseException:
+        child.stop()
+        raise
+    return child
+
+
+@pytest.fixture(scope="module")
+def fronts(openai_stack: Stack, tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Child]:
+    child = _start(openai_stack, tiny_qwen3, tmp_path_factory.mktemp("fronts"))
+    try:
         yield child
     finally:
         child.stop()
@@ -140,3 +147,14 @@ def test_a_front_process_that_dies_stops_the_tokenizer(fronts: Child) -> None:
     assert fronts.proc is not None
     assert fronts.proc.wait(30) != 0
     assert "front process 1" in fronts.log_path.read_text()
+
+
+def test_the_others_end_when_the_first_is_killed(openai_stack: Stack, tiny_qwen3: Path, tmp_path: Path) -> None:
+    child = _start(openai_stack, tiny_qwen3, tmp_path)
+    try:
+        first, second = _procs(child)
+        first.send_signal(signal.SIGKILL)
+        second.wait(15)  # SIGTERM from the kernel (parent death), then a clean stop; else TimeoutExpired
+        assert not second.is_running()
+    finally:
+        child.stop()
