@@ -136,11 +136,14 @@ class Load:
         return {f"client-{i + 1}": pid for i, pid in enumerate(sorted(procs))}
 
     async def warm_up(self, vocab: int) -> None:
+        """Every stream at once for a few tokens, through each front: the decode batches of the
+        runs (on a GPU: their CUDA graphs recorded and Triton kernels compiled) happen here first.
+        With 32 small requests the first run on a fresh GPU machine ran slower (docs/benchmarks.md)."""
         for front in self.targets:
             if self.pool is None:
-                await warm_up(self.backends[front], vocab, prompt_len=self.cfg.prompt_len, requests=32)
+                await warm_up(self.backends[front], vocab, prompt_len=self.cfg.prompt_len, requests=self.cfg.streams)
                 continue
-            spec = RandomSpec(count=4 * self.cfg.clients, input_len=self.cfg.prompt_len, output_len=4)
+            spec = RandomSpec(count=self.cfg.streams, input_len=self.cfg.prompt_len, output_len=4)
             await self.replay(front, random_workload(spec, vocab, seed=7))
 
     async def replay(self, front: str, workload: Workload) -> tuple[list[Any], float]:
