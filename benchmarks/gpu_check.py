@@ -332,14 +332,14 @@ def control_command(cfg: Config, fronts: int = 1, clients: int = 1) -> list[str]
 
 def phase_control(run: Run, limit: float) -> dict[str, Any]:
     """One overhead.py run per ``cfg.control`` entry; the figures under ``fronts`` (the first
-    entry's, as before) and ``by_processes`` (``"F fronts, C clients"``: each entry's)."""
+    entry's, as before) and ``entries`` (each entry's, in turn: an entry may repeat)."""
     if run.cfg.dry_run:  # a whole stack is too slow for make test: check the rig starts, record the command
         o = run.command([*_python(), "benchmarks/overhead.py", "--help"], limit)
         return {"status": "skipped" if o.rc == 0 else "failed", "reason": "dry run",
                 "command": control_command(run.cfg, *run.cfg.control[0]), "seconds": round(o.seconds, 1)}  # fmt: skip
     keys = ("tokens_per_s", "step_ms", "ttft_p50_ms", "itl_p50_ms", "output_tokens", "failed", "cpu_us_per_token",
             "tokenizer_each")  # fmt: skip
-    figures: dict[str, Any] = {"streams": int(CONTROL_ARGS[1]), "tokens": int(CONTROL_ARGS[3]), "by_processes": {}}
+    figures: dict[str, Any] = {"streams": int(CONTROL_ARGS[1]), "tokens": int(CONTROL_ARGS[3]), "entries": []}
     run.result["figures"]["control"] = figures
     t0 = time.monotonic()
     for fronts, clients in run.cfg.control:
@@ -353,7 +353,7 @@ def phase_control(run: Run, limit: float) -> dict[str, Any]:
                     "rc": o.rc}  # fmt: skip
         by_front = {r["front"]: {k: r.get(k) for k in keys} for r in json.loads(out.read_text())["runs"]}
         figures.setdefault("fronts", by_front)
-        figures["by_processes"][f"{fronts} fronts, {clients} clients"] = by_front
+        figures["entries"].append({"front_processes": fronts, "client_processes": clients, "fronts": by_front})
     return {"status": "ok", "seconds": round(time.monotonic() - t0, 1)}
 
 
