@@ -1,6 +1,9 @@
 """A tokenizer with two front processes (``--front-processes 2``) behind the shared stack's
 scheduler: both serve the gRPC port and the HTTP port, answer as one process does, abort each
-other's requests, and a front process that dies takes the set down (so a supervisor restarts it)."""
+other's requests, and a front process that dies takes the set down (so a supervisor restarts it).
+
+Named beside the OpenAI API's modules, whose shared stack it uses: in a whole run that stack then
+starts no earlier than it did."""
 
 from __future__ import annotations
 
