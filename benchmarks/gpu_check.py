@@ -331,8 +331,8 @@ def control_command(cfg: Config, fronts: int = 1, clients: int = 1) -> list[str]
 
 
 def phase_control(run: Run, limit: float) -> dict[str, Any]:
-    """One overhead.py run per ``cfg.control`` entry; the figures under ``fronts`` (the first
-    entry's, as before) and ``entries`` (each entry's, in turn: an entry may repeat)."""
+    """One overhead.py run per ``cfg.control`` entry; the figures under ``entries`` (each entry's,
+    in turn: an entry may repeat)."""
     if run.cfg.dry_run:  # a whole stack is too slow for make test: check the rig starts, record the command
         o = run.command([*_python(), "benchmarks/overhead.py", "--help"], limit)
         return {"status": "skipped" if o.rc == 0 else "failed", "reason": "dry run",
@@ -352,7 +352,6 @@ def phase_control(run: Run, limit: float) -> dict[str, Any]:
             return {"status": "timeout" if o.rc is None else "failed", "seconds": round(time.monotonic() - t0, 1),
                     "rc": o.rc}  # fmt: skip
         by_front = {r["front"]: {k: r.get(k) for k in keys} for r in json.loads(out.read_text())["runs"]}
-        figures.setdefault("fronts", by_front)
         figures["entries"].append({"front_processes": fronts, "client_processes": clients, "fronts": by_front})
     return {"status": "ok", "seconds": round(time.monotonic() - t0, 1)}
 

@@ -53,7 +53,7 @@ import psutil  # noqa: E402
 
 from services.bench.metrics import summarize  # noqa: E402
 from services.bench.openai_backend import OpenAIBackend  # noqa: E402
-from services.bench.runner import GrpcBackend, replay, warm_up  # noqa: E402
+from services.bench.runner import GrpcBackend, replay  # noqa: E402
 from services.bench.servers import CpuMeter  # noqa: E402
 from services.bench.workloads import RandomSpec, Workload, random_workload  # noqa: E402
 
@@ -139,11 +139,8 @@ class Load:
         """Every stream at once for a few tokens, through each front: the decode batches of the
         runs (on a GPU: their CUDA graphs recorded and Triton kernels compiled) happen here first.
         With 32 small requests the first run on a fresh GPU machine ran slower (docs/benchmarks.md)."""
+        spec = RandomSpec(count=self.cfg.streams, input_len=self.cfg.prompt_len, output_len=4)
         for front in self.targets:
-            if self.pool is None:
-                await warm_up(self.backends[front], vocab, prompt_len=self.cfg.prompt_len, requests=self.cfg.streams)
-                continue
-            spec = RandomSpec(count=self.cfg.streams, input_len=self.cfg.prompt_len, output_len=4)
             await self.replay(front, random_workload(spec, vocab, seed=7))
 
     async def replay(self, front: str, workload: Workload) -> tuple[list[Any], float]:

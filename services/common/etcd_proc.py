@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -42,6 +43,17 @@ def die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
         pass
+
+def follow_parent(name: str) -> None:
+    """First thing in a process another one of the same service started (a TP rank, a tokenizer
+    front process): end with that parent (``die_with_parent``; exit at once if it is already gone),
+    and tag the log lines, which share the parent's log, with ``name``."""
+    die_with_parent()
+    if os.getppid() == 1:  # the parent died before we asked
+        os._exit(1)
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s"))
+
 
 class EtcdError(RuntimeError):
     """etcd could not be found, started or stopped."""

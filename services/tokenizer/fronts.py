@@ -24,16 +24,14 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 
 from services.common.config import to_args
-from services.common.etcd_proc import die_with_parent
 from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.http_server import bind
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +41,8 @@ STOP_GRACE_S = 10.0
 
 def check_port_free(host: str, port: int) -> None:
     """Raise ``OSError`` naming the address when something listens on ``host:port``: a bind
-    without ``SO_REUSEPORT`` fails even against sockets that set it."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from e
+    without ``SO_REUSEPORT`` (``http_server.bind``) fails even against sockets that set it."""
+    bind(host, port).close()
 
 
 def child_config(cfg: TokenizerConfig, index: int, grpc_port: int, http_fd: int) -> TokenizerConfig:
@@ -79,7 +71,7 @@ class Fronts:
         ready: list[asyncio.Future[str]] = []
         for c in self._configs:
             # From this (the loop's) thread: the parent-death signal that the child asks for
-            # (``follow_parent``) fires when the thread that started it ends. No ``preexec_fn``:
+            # (``serve``: ``follow_parent``) fires when the thread that started it ends. No ``preexec_fn``:
             # Python code between fork and exec, beside gRPC's threads, crashed gRPC's poller
             # (seen with TLS); without one, subprocess uses vfork, which runs no fork handlers.
             proc = subprocess.Popen(
@@ -124,17 +116,6 @@ class Fronts:
             except subprocess.TimeoutExpired:
                 p.kill()
                 await asyncio.to_thread(p.wait)
-
-
-def follow_parent(index: int) -> None:
-    """In front process ``index`` (> 0), first thing: end with the first process (SIGTERM when it
-    dies, even by SIGKILL), and say whose log lines these are (they share its log)."""
-    die_with_parent()
-    if os.getppid() == 1:  # the first process died before we asked
-        os._exit(1)
-    name = f"tokenizer-front{index}"
-    for handler in logging.getLogger().handlers:
-        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s"))
 
 
 def _follow(

@@ -20,13 +20,14 @@ from services.common import telemetry, validation
 from services.common.auth import ApiKeys, AuthInterceptor
 from services.common.discovery import ModelRegistry, Registration, ServiceRecord, advertised_address
 from services.common.errors import AlreadyExists, InvalidArgument, StrataError
+from services.common.etcd_proc import follow_parent
 from services.common.metrics import LENGTH_BUCKETS, REQUEST_BUCKETS_S, MetricFactory, serve_metrics
 from services.common.server import Server, run_service, settle_heap
 from services.tokenizer.answer import Answer
 from services.tokenizer.chat import Prepared, chat_inputs, render
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.detokenizer import IncrementalDetokenizer
-from services.tokenizer.fronts import Fronts, check_port_free, follow_parent
+from services.tokenizer.fronts import Fronts, check_port_free
 from services.tokenizer.http_server import HttpServer
 from services.tokenizer.kv_index import Choice
 from services.tokenizer.model_files import ModelCard, load_tokenizer, read_card
@@ -495,8 +496,8 @@ def _continuation(sreq: spb.GenerateRequest, streamed: list[int], max_new_tokens
 
 
 async def serve(cfg: TokenizerConfig, stop: asyncio.Event) -> None:
-    if cfg.front_index:
-        follow_parent(cfg.front_index)
+    if cfg.front_index:  # started by the first front process: end with it
+        follow_parent(f"tokenizer-front{cfg.front_index}")
     telemetry.setup_tracing(
         "tokenizer", cfg.trace_exporter, cfg.trace_target.replace("{service}", "tokenizer")
     )

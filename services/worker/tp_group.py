@@ -29,7 +29,7 @@ from dataclasses import replace
 
 from services.common import config as config_mod
 from services.common import step_codec
-from services.common.etcd_proc import die_with_parent, free_port
+from services.common.etcd_proc import follow_parent, free_port
 from services.common.step import StepError
 from services.worker.config import WorkerConfig
 from services.worker.engine import Engine
@@ -145,12 +145,7 @@ def follow(engine: Engine) -> None:
 
 async def serve_follower(cfg: WorkerConfig, stop: asyncio.Event, make_engine: Callable[[Tp], Engine]) -> None:
     """Rank ``cfg.tp_rank``: join, build the shard, follow rank 0 until it stops (or dies)."""
-    die_with_parent()
-    if os.getppid() == 1:  # rank 0 died before we asked
-        os._exit(1)
-    name = f"worker-rank{cfg.tp_rank}"  # its lines share rank 0's log: say whose they are
-    for handler in logging.getLogger().handlers:
-        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s"))
+    follow_parent(f"worker-rank{cfg.tp_rank}")  # ends with rank 0; its lines share rank 0's log
     loop = asyncio.get_running_loop()
 
     def run() -> None:
