@@ -29,6 +29,7 @@ ETCD = "etcd"  # the name etcd goes by among the restarts
 RESTART_BACKOFF_S = (1.0, 30.0)  # wait before restarting a crashed service: first, most (doubling)
 RESTART_RESET_S = 60.0  # a service that ran this long before crashing waits the first backoff again
 RestartPolicy = Literal["no", "on-failure"]
+READY_POLL_S = 0.1  # how often a starting service's log is read for its READY line
 
 
 class StartError(RuntimeError):
@@ -54,23 +55,33 @@ class Child:
         )
         log.close()
 
+    def ready(self) -> bool:
+        """Whether this start has printed its READY line (then ``address`` and ``extra`` are set).
+
+        Raises:
+            StartError: the process has exited before it was ready.
+        """
+        with open(self.log_path, "rb") as f:  # only this start's lines: an old READY is stale
+            f.seek(self._offset)
+            lines = f.read().decode(errors="replace").splitlines()
+        for line in lines:
+            if line.startswith(f"READY {self.name.split('-')[0]} "):  # worker-1 prints "READY worker"
+                words = line.split()
+                self.address = words[2]
+                self.extra = dict(w.split("=", 1) for w in words[3:] if "=" in w)
+                return True
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise StartError(f"{self.name} exited with code {self.proc.returncode}:\n{self.tail()}")
+        return False
+
     def wait_ready(self, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with open(self.log_path, "rb") as f:  # only this start's lines: an old READY is stale
-                f.seek(self._offset)
-                lines = f.read().decode(errors="replace").splitlines()
-            for line in lines:
-                if line.startswith(f"READY {self.name.split('-')[0]} "):  # worker-1 prints "READY worker"
-                    words = line.split()
-                    self.address = words[2]
-                    self.extra = dict(w.split("=", 1) for w in words[3:] if "=" in w)
-                    return self.address
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise StartError(f"{self.name} exited with code {self.proc.returncode}:\n{self.tail()}")
-            time.sleep(0.1)
-        raise StartError(f"{self.name} was not ready within {timeout_s:.0f}s:\n{self.tail()}")
+        while not self.ready():
+            if time.monotonic() >= deadline:
+                raise StartError(f"{self.name} was not ready within {timeout_s:.0f}s:\n{self.tail()}")
+            time.sleep(READY_POLL_S)
+        return self.address
 
     def pin_ports(self) -> None:
         """Listen where this start listened (gRPC port, and the HTTP port when it serves one), so
@@ -135,6 +146,54 @@ def _scheduler_argv(stack: Stack, worker: str, base: list[str]) -> list[str]:
     return [*base, *(("--worker", stack.child(worker).address) if worker else ())]
 
 
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    """One service to start: its argv (or how to build it once ``after`` are ready)."""
+
+    name: str
+    argv: list[str] | Callable[[], list[str]]
+    after: tuple[str, ...] = ()  # services that must be ready before this one starts
+
+
+def _start_all(
+    stack: Stack, specs: list[_Spec], env: dict[str, str], timeout_s: float, announce: Callable[[Child], None]
+) -> None:
+    """Start every spec as soon as the services it waits for are ready, side by side otherwise;
+    return when all are ready. Each is announced once it and those listed before it are ready,
+    so the start-up table keeps the order of ``specs``."""
+    pending = list(specs)
+    started: dict[str, float] = {}  # name -> when it started
+    ready: set[str] = set()
+    announced = 0
+    while announced < len(specs):
+        for spec in [p for p in pending if ready.issuperset(p.after)]:
+            pending.remove(spec)
+            child = Child(spec.name, spec.argv() if callable(spec.argv) else spec.argv,
+                          stack.run_dir / f"{spec.name}.log")  # fmt: skip
+            stack.children.append(child)
+            child.start(env)
+            started[spec.name] = time.monotonic()
+        for child in stack.children:
+            if child.name in started and child.name not in ready:
+                if child.ready():
+                    ready.add(child.name)
+                elif time.monotonic() - started[child.name] > timeout_s:
+                    raise StartError(f"{child.name} was not ready within {timeout_s:.0f}s:\n{child.tail()}")
+        while announced < len(specs) and specs[announced].name in ready:
+            announce(stack.child(specs[announced].name))
+            announced += 1
+        if announced < len(specs):
+            time.sleep(READY_POLL_S)
+
+
+def _announce(say: Callable[[str], None], width: int, child: Child) -> None:
+    metrics = f"   metrics http://{child.extra['metrics']}/metrics" if "metrics" in child.extra else ""
+    say(f"{child.name:<{width}} {child.address}{metrics}   (log: {child.log_path})")
+    for scheme in ("http", "https"):
+        if scheme in child.extra:
+            say(f"{scheme:<{width}} {scheme}://{child.extra[scheme]}/v1   (OpenAI-compatible)")
+
+
 def start_stack(
     model: Path,
     port: int,
@@ -152,8 +211,10 @@ def start_stack(
     etcd_tls: TlsFiles | None = None,
     roles: tuple[str, ...] = (),
 ) -> Stack:
-    """Start etcd (unless an endpoint is given) and kvstore, worker, scheduler, tokenizer, each
-    waiting for the previous one to be ready. On any failure everything started is stopped.
+    """Start etcd (unless an endpoint is given), then the services, each as soon as what it needs
+    is ready: kvstore, the first worker and the tokenizer at once; each scheduler once its worker
+    is ready; each further worker once the one before it is. Returns when every service is ready;
+    on any failure everything started is stopped.
 
     ``replicas`` > 1: that many worker + scheduler pairs (each scheduler drives its own worker;
     the first pair is named ``worker`` / ``scheduler``, the next ``worker-1`` / ``scheduler-1``,
@@ -182,36 +243,29 @@ def start_stack(
         width = 10 if replicas == 1 else 12  # "scheduler-1" is longer than the one-replica names
         say(f"{'etcd':<{width}} {stack.etcd_endpoint}")
         e = ("--etcd", stack.etcd_endpoint)
-        specs: list[tuple[str, list[str] | Callable[[], list[str]]]] = [
-            ("kvstore", [*_module("kvstore"), *e, *common_args, *kvstore_args]),
-        ]
+        specs = [_Spec("kvstore", [*_module("kvstore"), *e, *common_args, *kvstore_args])]
+        # Workers start one after another: each sizes its pools from the memory left free.
+        previous: tuple[str, ...] = ()
         for i in range(replicas):
             worker, scheduler = ("worker", "scheduler") if i == 0 else (f"worker-{i}", f"scheduler-{i}")
             role = ("--role", roles[i]) if roles else ()
             specs += [
-                (worker, [*_module("worker"), "--model", str(model), *e, *common_args, *worker_args]),
+                _Spec(worker, [*_module("worker"), "--model", str(model), *e, *common_args, *worker_args], previous),
                 # Its worker's address is known once that worker is ready.
-                (scheduler, functools.partial(
+                _Spec(scheduler, functools.partial(
                     _scheduler_argv, stack, worker if replicas > 1 else "",
                     [*_module("scheduler"), "--tokenizer", str(model), *e, *common_args, *scheduler_args, *role],
-                )),
-            ]
-        specs.append((
+                ), (worker,)),
+            ]  # fmt: skip
+            previous = (worker,)
+        # The tokenizer needs no other service to start: it finds the schedulers in etcd as they
+        # register, and reads the model's fingerprint from there when asked.
+        specs.append(_Spec(
             "tokenizer",
             [*_module("tokenizer"), "--model", str(model), "--port", str(port),
              "--http-port", str(http_port), *e, *common_args, *tokenizer_args],
-        ))
-        for name, args in specs:
-            argv = args() if callable(args) else args
-            child = Child(name, argv, run_dir / f"{name}.log")
-            stack.children.append(child)
-            child.start(env)
-            address = child.wait_ready(timeout_s)
-            metrics = f"   metrics http://{child.extra['metrics']}/metrics" if "metrics" in child.extra else ""
-            say(f"{name:<{width}} {address}{metrics}   (log: {child.log_path})")
-            for scheme in ("http", "https"):
-                if scheme in child.extra:
-                    say(f"{scheme:<{width}} {scheme}://{child.extra[scheme]}/v1   (OpenAI-compatible)")
+        ))  # fmt: skip
+        _start_all(stack, specs, env, timeout_s, functools.partial(_announce, say, width))
     except BaseException:
         stack.stop()
         raise

@@ -7,7 +7,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
@@ -46,6 +46,8 @@ _tracer = telemetry.get_tracer(__name__)
 
 PUBLIC_MAX_BYTES = 32 << 20  # one request on the public port (as the HTTP body limit)
 RESUBMIT_S = 0.2  # pause before submitting again after a scheduler was lost (it may be restarting)
+ABORT_TIMEOUT_S = 5.0  # how long an Abort waits for each scheduler it asks
+FINGERPRINT_READ_S = 2.0  # GetModelInfo waits this long for etcd while the fingerprint is unknown
 TOKENIZE_THREADS = 2  # encodes run here, off the event loop; more wait in the pool's queue
 T = TypeVar("T")
 
@@ -127,7 +129,7 @@ class StrataServicer(pgrpc.StrataServicer):
         tokenizer: object,
         card: ModelCard,
         router: Router,
-        fingerprint: str = "",
+        fingerprint: str | Callable[[], Awaitable[str]] = "",
         metrics: TokenizerMetrics | None = None,
         resume_wait_s: float = 10.0,
         tool_format: ToolFormat = "hermes",
@@ -137,7 +139,9 @@ class StrataServicer(pgrpc.StrataServicer):
         """``tool_format``, ``reasoning``: the model's formats (``--tool-call-parser``,
         ``--reasoning-parser``), which tool-call grammars follow. ``shared_ids``: other front
         processes serve the same ports (``--front-processes``), so an ``Abort`` of an id unknown
-        here goes to every scheduler."""
+        here goes to every scheduler. ``fingerprint``: the model's, or how to read it (from etcd,
+        where the first worker registers it: a tokenizer may start before any worker), read again
+        by ``GetModelInfo`` until it is known."""
         self.metrics = metrics
         self.shared_ids = shared_ids
         self.tool_format: ToolFormat = tool_format
@@ -146,7 +150,8 @@ class StrataServicer(pgrpc.StrataServicer):
         self.tok = tokenizer
         self.card = card
         self.router = router
-        self.fingerprint = fingerprint
+        self.fingerprint = fingerprint if isinstance(fingerprint, str) else ""
+        self._read_fingerprint = None if isinstance(fingerprint, str) else fingerprint
         self.limits = validation.Limits(card.vocab_size, card.context_length)
         self._running: dict[str, str] = {}  # request id -> scheduler address
         self._pool = ThreadPoolExecutor(max_workers=TOKENIZE_THREADS, thread_name_prefix="tokenize")
@@ -463,16 +468,29 @@ class StrataServicer(pgrpc.StrataServicer):
         else:  # unknown, or not yet on a scheduler
             return pb.AbortResponse(aborted=False)
         metadata = tuple(telemetry.inject_context().items())
-        aborted = False
-        for a in addresses:
-            resp = await self.router.stub(a).Abort(spb.AbortRequest(request_id=request.request_id), metadata=metadata)
-            aborted = aborted or resp.aborted
-        return pb.AbortResponse(aborted=aborted)
+        sreq = spb.AbortRequest(request_id=request.request_id)
+        # Every scheduler at once, each bounded: one that is dead or frozen (still registered)
+        # neither hides the others nor holds the client. The answer is an error only when no
+        # scheduler answered at all.
+        answers = await asyncio.gather(
+            *(self.router.stub(a).Abort(sreq, metadata=metadata, timeout=ABORT_TIMEOUT_S) for a in addresses),
+            return_exceptions=True,
+        )
+        replies = [r for r in answers if isinstance(r, spb.AbortResponse)]
+        if not replies:
+            error = next(r for r in answers if isinstance(r, BaseException))
+            raise error
+        return pb.AbortResponse(aborted=any(r.aborted for r in replies))
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
         c = self.card
+        if not self.fingerprint and self._read_fingerprint is not None:
+            try:  # best effort: the model's answer does not wait on an etcd outage
+                self.fingerprint = await asyncio.wait_for(self._read_fingerprint(), FINGERPRINT_READ_S)
+            except Exception as e:  # any etcd failure leaves the field empty, as before a worker registers
+                log.warning("model fingerprint not read from etcd: %s", e)
         return pb.ModelInfo(
             name=c.name,
             architecture=c.architecture,
@@ -504,11 +522,12 @@ async def serve(cfg: TokenizerConfig, stop: asyncio.Event) -> None:
     model_dir = Path(cfg.model)
     card = read_card(model_dir, cfg.model_name)
     tok = await asyncio.to_thread(load_tokenizer, model_dir)
-    fingerprint = ""
-    if cfg.etcd:
+
+    async def read_fingerprint() -> str:
         async with ModelRegistry(cfg.etcd) as models:
             rec = await models.get(card.name)
-            fingerprint = rec.fingerprint if rec is not None else ""
+        return rec.fingerprint if rec is not None else ""
+
     router = Router(
         cfg.scheduler, cfg.etcd, card.name, cfg.scheduler_wait_s, cfg.router_policy, cfg.router_load_weight
     )
@@ -525,7 +544,7 @@ async def serve(cfg: TokenizerConfig, stop: asyncio.Event) -> None:
     metrics = TokenizerMetrics(registry, card.name)
     metrics.index_pages.set_function(lambda: router.index.pages)
     servicer = StrataServicer(
-        tok, card, router, fingerprint, metrics, resume_wait_s=cfg.resume_wait_s,
+        tok, card, router, read_fingerprint if cfg.etcd else "", metrics, resume_wait_s=cfg.resume_wait_s,
         tool_format=cfg.tool_call_parser, reasoning=cfg.reasoning_parser, shared_ids=shared,
     )  # fmt: skip
     server.add(pgrpc.add_StrataServicer_to_server, servicer, "strata.v1.Strata")
