@@ -13,7 +13,8 @@ report separates them:
   past their step).
 
 ``mallinfo`` and ``arenas`` are cheap (the metrics use them); ``tensors`` walks every object
-(tens of milliseconds with the GIL held), so only the diagnostic RPC and the soak call it.
+(tens of milliseconds with the GIL held), so only the diagnostic RPC and the soak call it. It
+leaves the frozen heap (``settle_heap``) as it is.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import sys
 import tracemalloc
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import psutil
@@ -37,21 +39,28 @@ class Tensors:
     nbytes: int
 
 
+_frozen: list[weakref.ref[torch.Tensor]] = []  # the tensors alive when the heap was frozen
+
+
+def remember_frozen() -> None:
+    """Call just before ``settle_heap`` freezes the heap: the tensors alive now (weights, pools)
+    leave ``gc.get_objects()`` then, so ``tensors`` finds them through weak references instead.
+    (Thawing and freezing again at each report would freeze whatever was alive at that moment,
+    for good: a cycle among a step's objects then outlives the step, and the worker grew by tens
+    of KiB per report under load.)"""
+    _frozen[:] = [weakref.ref(t) for t in _live_tensors()]
+
+
+def _live_tensors() -> list[torch.Tensor]:
+    with warnings.catch_warnings():  # isinstance on torch.distributed's deprecated aliases warns
+        warnings.simplefilter("ignore", FutureWarning)
+        return [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+
+
 def tensors() -> Tensors:
     """Live tensors' storages on any device, each counted once."""
     seen: dict[int, int] = {}
-    with warnings.catch_warnings():  # isinstance on torch.distributed's deprecated aliases warns
-        warnings.simplefilter("ignore", FutureWarning)
-        # Objects frozen after start-up (settle_heap: the weights) are outside get_objects():
-        # thaw them for the count and freeze again (a rare call, not on the token path).
-        frozen = gc.get_freeze_count()
-        if frozen:
-            gc.unfreeze()
-        try:
-            found = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-        finally:
-            if frozen:
-                gc.freeze()
+    found = _live_tensors() + [t for r in _frozen if (t := r()) is not None]
     for o in found:
         if o.is_meta:
             continue

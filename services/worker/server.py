@@ -238,6 +238,7 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
         "on" if info.l3 else "off",
         info.tp_size,
     )
+    memory_report.remember_frozen()
     settle_heap()
     print(f"READY worker {address}{metrics}", flush=True)
     failed = asyncio.ensure_future(followers.failure()) if followers is not None else None
