@@ -44,6 +44,7 @@ def die_with_parent() -> None:
     except (OSError, AttributeError):
         pass
 
+
 def follow_parent(name: str) -> None:
     """First thing in a process another one of the same service started (a TP rank, a tokenizer
     front process): end with that parent (``die_with_parent``; exit at once if it is already gone),
