@@ -2,11 +2,13 @@
 
     make bench-pd        (python -m benchmarks.pd --model models/qwen3-bench)
 
-Two stacks on the same machine, alternated ``--repeats`` times: **pd** (``strata up
+Three stacks on the same machine, alternated ``--repeats`` times: **pd** (``strata up
 --prefill-replicas 1 --decode-replicas 1``: one replica prefills, hands each request over through
-the kvstore after its first token, the other decodes) and **colocated** (``--replicas 2``: both
-prefill and decode, the router spreading requests by cache and load). Both with the hierarchical
-cache on (host pool + kvstore), greedy, ``ignore_eos``.
+the kvstore after its first token, the other decodes), **pd-direct** (the same, with
+``--handoff-outbox-bytes``: the decode worker reads the pages straight from the prefill worker's
+outbox) and **colocated** (``--replicas 2``: both prefill and decode, the router spreading
+requests by cache and load). All with the hierarchical cache on (host pool + kvstore), greedy,
+``ignore_eos``.
 
 Each run: ``--streams`` decode streams (``--short-len``-token prompts, ``--stream-tokens`` out,
 each restarted when it ends) run for ``--phase-s`` seconds alone (**quiet**), then for
@@ -16,8 +18,11 @@ streams' inter-token latency p50 / p99 in each phase (gaps between a stream's to
 divided by the tokens in the later one; from the second token on), the gap after each stream's
 first token apart (with PD: the hand-over), the burst / quiet ratio of p99 (the issue's goal: PD's
 <= 1.5), the long prompts' TTFT and the gap after their first token (the hand-over's cost with
-PD), bytes moved through the kvstore per long-prompt token (host pages put + pages read back, from
-the schedulers' ``hicache_events``; the decode streams' pages count too), and each process's CPU.
+PD), the prefill scheduler's wait from a first token to the hand-over (the prompt's pages stored:
+``handoff_seconds``), bytes moved between processes per long-prompt token (host pages put to L3 +
+pages read back, from the schedulers' ``hicache_events``; the decode streams' pages count too; a
+put into the prefill worker's own outbox is a copy in its memory and does not count), and each
+process's CPU.
 
 On a 2-core machine both replicas share the same cores in both configurations: what PD can
 separate is the step (a decode step never waits for a prefill chunk), not the processors.
@@ -51,7 +56,7 @@ from services.supervisor import Stack, start_stack  # noqa: E402
 from strata.v1 import strata_pb2 as pb  # noqa: E402
 from strata.v1 import strata_pb2_grpc as pgrpc  # noqa: E402
 
-CONFIGS = ("pd", "colocated")
+CONFIGS = ("pd", "pd-direct", "colocated")
 HOST_PAGE_TOKENS = 64
 GOAL_P99_RATIO = 1.5  # issue #31: PD's ITL p99 under the burst over its quiet ITL p99
 
@@ -84,6 +89,7 @@ class Run:
     long_ttft_ms: float = 0.0  # median
     long_second_token_ms: float = 0.0  # median gap after the first token (PD: the hand-over)
     kv_bytes_per_long_token: float = 0.0
+    handoff_wait_ms: float = 0.0  # mean, prefill scheduler: first token -> pages stored (PD only)
     decode_tokens: int = 0
     failed: int = 0
     cpu_s: dict[str, float] = field(default_factory=dict)
@@ -99,21 +105,31 @@ def _pct(xs: list[float], q: float) -> float:
 def _stack(cfg: Config, name: str, run_dir: Path) -> Stack:
     worker = ("--kv-cache-bytes", cfg.kv_cache_bytes, "--host-cache-bytes", cfg.host_cache_bytes, "--l3", "true")
     scheduler = ("--max-prefill-tokens", str(cfg.max_prefill_tokens))
-    roles = ("prefill", "decode") if name == "pd" else ()
+    roles = ("prefill", "decode") if name.startswith("pd") else ()
+    outbox = {"prefill": ("--outbox-bytes", cfg.host_cache_bytes)} if name == "pd-direct" else None
     return start_stack(cfg.model, free_port(), run_dir / name, worker_args=worker, scheduler_args=scheduler,
-                       common_args=("--metrics-port", "0"), replicas=2, roles=roles, say=lambda _: None)  # fmt: skip
+                       common_args=("--metrics-port", "0"), replicas=2, roles=roles, role_worker_args=outbox,
+                       say=lambda _: None)  # fmt: skip
 
 
-def _kvstore_pages(stack: Stack) -> float:
-    """Host pages put to the kvstore and read back from it so far, over both schedulers (their
-    cumulative ``hicache_events``)."""
-    events = ('strata_scheduler_hicache_events_total{event="put_pages"}',
-              'strata_scheduler_hicache_events_total{event="prefetched_pages"}')  # fmt: skip
-    total = 0.0
-    for name in ("scheduler", "scheduler-1"):
-        text = urllib.request.urlopen(f"http://{stack.child(name).extra['metrics']}/metrics", timeout=5).read()
-        total += sum(float(ln.rsplit(" ", 1)[1]) for ln in text.decode().splitlines() if ln.startswith(events))
-    return total
+def _scheduler_metrics(stack: Stack, name: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://{stack.child(name).extra['metrics']}/metrics", timeout=5).read()
+    return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in text.decode().splitlines() if ln[:1] != "#")}
+
+
+def _moved(stack: Stack, name: str) -> tuple[float, float, float]:
+    """(host pages moved between processes, hand-overs' summed wait in s, hand-overs) so far, over
+    both schedulers (their cumulative ``hicache_events`` and ``handoff_seconds``). The "scheduler"
+    replica is the prefill one; with ``pd-direct`` its puts stay in its worker's outbox."""
+    pages = wait = count = 0.0
+    for sched in ("scheduler", "scheduler-1"):
+        m = _scheduler_metrics(stack, sched)
+        pages += m.get('strata_scheduler_hicache_events_total{event="prefetched_pages"}', 0.0)
+        if not (name == "pd-direct" and sched == "scheduler"):
+            pages += m.get('strata_scheduler_hicache_events_total{event="put_pages"}', 0.0)
+        wait += m.get("strata_scheduler_handoff_seconds_sum", 0.0)
+        count += m.get("strata_scheduler_handoff_seconds_count", 0.0)
+    return pages, wait, count
 
 
 def _cpu(stack: Stack) -> dict[str, float]:
@@ -147,7 +163,7 @@ async def _measure(cfg: Config, stack: Stack, name: str, repeat: int, rng: rando
     gaps: dict[str, list[float]] = {"quiet": [], "burst": []}
     second: list[float] = []  # each decode stream's gap after its first token (PD: the hand-over)
     longs: list[list[tuple[float, int]]] = []
-    cpu0, pages0 = _cpu(stack), _kvstore_pages(stack)
+    cpu0, moved0 = _cpu(stack), _moved(stack, name)
     async with grpc.aio.insecure_channel(stack.child("tokenizer").address) as ch:
         stub = pgrpc.StrataStub(ch)
 
@@ -190,15 +206,18 @@ async def _measure(cfg: Config, stack: Stack, name: str, repeat: int, rng: rando
         run.long_second_token_ms = statistics.median(seconds) * 1e3 if seconds else 0.0
         config = json.loads((cfg.model / "config.json").read_text())
         page_bytes = HOST_PAGE_TOKENS * kv_slot_bytes(config, torch.float32)
-        moved = (_kvstore_pages(stack) - pages0) * page_bytes
-        run.kv_bytes_per_long_token = moved / (len(longs) * cfg.long_len)
+        moved1 = _moved(stack, name)
+        run.kv_bytes_per_long_token = (moved1[0] - moved0[0]) * page_bytes / (len(longs) * cfg.long_len)
+        if moved1[2] > moved0[2]:
+            run.handoff_wait_ms = (moved1[1] - moved0[1]) / (moved1[2] - moved0[2]) * 1e3
     return run
 
 
 def table(runs: list[Run]) -> str:
     rows = ["| config | ITL p50 quiet / burst ms | ITL p99 quiet / burst ms | p99 burst / quiet | long TTFT ms | "
-            "gap after 1st token ms: streams / long | kvstore bytes per long-prompt token | decode tokens | failed |",
-            "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+            "gap after 1st token ms: streams / long | hand-over wait ms | bytes moved per long-prompt token | "
+            "decode tokens | failed |",
+            "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name in CONFIGS:
         rs = [r for r in runs if r.config == name]
         if not rs:
@@ -214,7 +233,7 @@ def table(runs: list[Run]) -> str:
             f"{med(lambda r: r.p99_ratio):.2f} ({ratios[0]:.2f}–{ratios[-1]:.2f}) | "
             f"{med(lambda r: r.long_ttft_ms):.0f} | "
             f"{med(lambda r: r.stream_second_token_ms):.0f} / {med(lambda r: r.long_second_token_ms):.0f} | "
-            f"{med(lambda r: r.kv_bytes_per_long_token):.0f} | "
+            f"{med(lambda r: r.handoff_wait_ms):.0f} | {med(lambda r: r.kv_bytes_per_long_token):.0f} | "
             f"{med(lambda r: r.decode_tokens):.0f} | {sum(r.failed for r in rs)} |"
         )  # fmt: skip
     return "\n".join(rows)

@@ -86,6 +86,9 @@ def _up(args: argparse.Namespace) -> int:
         print("strata up: prefill/decode replicas hand the KV over through the kvstore: keep --host-cache-bytes",
               file=sys.stderr)  # fmt: skip
         return 2
+    if args.handoff_outbox_bytes and not roles:
+        print("strata up: --handoff-outbox-bytes is for --prefill-replicas / --decode-replicas", file=sys.stderr)
+        return 2
     if args.tp is not None and args.tp < 1:
         print(f"strata up: --tp must be at least 1, got {args.tp}", file=sys.stderr)
         return 2
@@ -121,6 +124,8 @@ def _up(args: argparse.Namespace) -> int:
             model, args.port, run_dir, etcd=args.etcd, worker_args=a["worker"], scheduler_args=a["scheduler"],
             common_args=a["common"], tokenizer_args=a["tokenizer"], http_port=args.http_port,
             replicas=args.replicas, etcd_tls=args.tls_files, roles=roles,
+            role_worker_args={"prefill": ("--outbox-bytes", args.handoff_outbox_bytes)} if args.handoff_outbox_bytes
+            else None,
         )
     except (supervisor.StartError, OSError) as e:
         print(f"strata up: {e}", file=sys.stderr)
@@ -236,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "over after one token through the kvstore (with --decode-replicas; replaces --replicas)")
     up.add_argument("--decode-replicas", type=int, default=0,
                     help="replicas that take the handed-over requests, load their pages and decode")
+    up.add_argument("--handoff-outbox-bytes", default="",
+                    help="hand the KV over directly: each prefill worker keeps its prompts' pages in an outbox "
+                         "of this size (e.g. 1GiB) that the decode workers read from, instead of the kvstore")
     up.add_argument("--tool-call-parser", default="", choices=["", "hermes", "qwen3_coder"],
                     help="how the model writes tool calls (default hermes: Qwen3's <tool_call>{json}</tool_call>)")
     up.add_argument("--reasoning-parser", default="", choices=["", "none", "qwen3"],

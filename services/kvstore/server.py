@@ -138,10 +138,9 @@ def build_server(
     return server, servicer
 
 
-def _metrics(backend: Backend) -> CollectorRegistry:
-    """Gauges read from the backend's own counters at scrape time."""
-    registry = CollectorRegistry()
-    m = MetricFactory(registry, "kvstore")
+def backend_gauges(m: MetricFactory, backend: Backend) -> None:
+    """Gauges read from the backend's own counters at scrape time (the kvstore's, and a worker's
+    hand-over outbox)."""
     fields = {
         "used_bytes": "Bytes of page data held.",
         "capacity_bytes": "Configured byte cap.",
@@ -152,7 +151,6 @@ def _metrics(backend: Backend) -> CollectorRegistry:
     }
     for name, doc in fields.items():
         m.gauge(name, doc).set_function(lambda name=name: float(getattr(backend.stats(), name)))  # type: ignore[misc]
-    return registry
 
 
 @contextlib.asynccontextmanager
@@ -178,7 +176,9 @@ async def serve(cfg: KVStoreConfig, stop: asyncio.Event, registration: Registrat
     exporter = cast(Any, cfg.trace_exporter)
     telemetry.setup_tracing("kvstore", exporter, cfg.trace_target.replace("{service}", "kvstore"))
     server, servicer = build_server(cfg, telemetry.server_interceptors())
-    metrics = serve_metrics(cfg.metrics_port, cfg.host, _metrics(servicer.backend))
+    registry = CollectorRegistry()
+    backend_gauges(MetricFactory(registry, "kvstore"), servicer.backend)
+    metrics = serve_metrics(cfg.metrics_port, cfg.host, registry)
     port = await server.start(f"{cfg.host}:{cfg.port}")
     log.info("kvstore serving on %s:%d (%s, %d bytes)", cfg.host, port, cfg.backend, cfg.capacity_bytes)
     try:

@@ -110,6 +110,10 @@ class ShardedKVStore:
 
     ``shards`` is a membership source (an etcd ``Discovery`` the caller starts and stops) or a
     fixed list of addresses. Key order is preserved in every result.
+
+    ``ask_all``: every key is asked of every member instead of its one owner, and a key is found
+    where any member holds it (the hand-over outboxes of ``services.kvstore.outbox``: a page is on
+    whichever worker computed it). Such a store only reads; ``put`` is refused.
     """
 
     def __init__(
@@ -121,6 +125,7 @@ class ShardedKVStore:
         timeout_s: float = 5.0,
         suspect_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        ask_all: bool = False,
     ) -> None:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
@@ -135,6 +140,7 @@ class ShardedKVStore:
         self._timeout_s = timeout_s
         self._suspect_s = suspect_s
         self._clock = clock
+        self._ask_all = ask_all
         self._sem = asyncio.Semaphore(max_concurrency)
         self._clients: dict[str, KVStoreClient] = {}
         self._placement: tuple[frozenset[str], _Placement] | None = None
@@ -149,6 +155,10 @@ class ShardedKVStore:
         placement = self._current_placement()
         return placement.owner(key) if placement else None
 
+    def has_members(self) -> bool:
+        """Whether any member is known (suspect ones included)."""
+        return bool(self._source.members())
+
     def suspects(self) -> list[str]:
         """Shards currently skipped after a failed call."""
         now = self._clock()
@@ -156,6 +166,8 @@ class ShardedKVStore:
 
     async def put(self, pages: Sequence[tuple[bytes, bytes]]) -> ShardedPutResult:
         """Store pages on their shards (in parallel); pages for a down shard are skipped."""
+        if self._ask_all:
+            raise TypeError("a store that asks every member (ask_all) only reads")
         groups = self._group([k for k, _ in pages])
 
         async def one(address: str, idx: list[int]) -> tuple[int, int]:
@@ -182,7 +194,8 @@ class ShardedKVStore:
         for (_, idx), data in zip(groups.items(), await self._fan_out(groups, one), strict=True):
             if data is not None:
                 for i, d in zip(idx, data, strict=True):
-                    out[i] = d
+                    if d is not None:
+                        out[i] = d
         return out
 
     async def exists(self, keys: Sequence[bytes]) -> int:
@@ -191,6 +204,9 @@ class ShardedKVStore:
         One Exists per shard, in parallel: a shard answering ``c`` for its subsequence of keys has
         its first gap at its ``c``-th key, and the whole prefix ends at the earliest such gap.
         """
+        if self._ask_all:
+            flags = await self.present(keys)
+            return next((i for i, f in enumerate(flags) if not f), len(flags))
         groups = self._group(keys)
 
         async def one(address: str, idx: list[int]) -> int:
@@ -214,7 +230,7 @@ class ShardedKVStore:
         for (_, idx), flags in zip(groups.items(), await self._fan_out(groups, one), strict=True):
             if flags is not None:
                 for i, f in zip(idx, flags, strict=True):
-                    out[i] = f
+                    out[i] = out[i] or f
         return out
 
     async def close(self) -> None:
@@ -249,6 +265,9 @@ class ShardedKVStore:
         groups: dict[str, list[int]] = {}
         if placement is None:
             return groups
+        if self._ask_all:
+            every = list(range(len(keys)))
+            return {a: every for a in self._placement[0]} if keys else {}
         for i, key in enumerate(keys):
             groups.setdefault(placement.owner(key), []).append(i)
         return groups

@@ -3,6 +3,7 @@
 The prompt's whole pages are hashed with the chained page hash (namespaced by model fingerprint,
 KV layout and cache salt) and the kvstore shards are asked for the leading run of present pages.
 A slow, missing or dead store is a miss, never an error: the lookup is bounded by a short timeout.
+The workers' hand-over outboxes count as L3 too (``services.kvstore.outbox.L3Store``).
 The keys are the hierarchical cache's (``WorkerInfo.kv_layout`` and ``host_page_tokens``): the
 figure becomes ``Req.mem.l3_pages``, from which admission decides whether to prefetch
 (``Memory.hold``, ``memory/host.py``). A hybrid model's prefix is usable only up to a stored Mamba state,
@@ -17,9 +18,9 @@ import asyncio
 import logging
 
 from services.common import telemetry
-from services.common.discovery import Discovery
 from services.common.page_hash import HashNamespace, page_hashes, state_key
 from services.common.step import WorkerInfo
+from services.kvstore.outbox import L3Store
 from services.kvstore.sharded import ShardedKVStore
 
 log = logging.getLogger(__name__)
@@ -30,16 +31,14 @@ LOOKUP_TIMEOUT_S = 0.05
 class L3Lookup:
     def __init__(self, etcd: str, timeout_s: float = LOOKUP_TIMEOUT_S) -> None:
         self._timeout_s = timeout_s
-        self._discovery = Discovery(etcd, "kvstore")
-        self._store = ShardedKVStore(self._discovery)
+        self._store = L3Store.from_etcd(etcd)
         self._tracer = telemetry.get_tracer("strata.scheduler")
 
     async def start(self) -> None:
-        await self._discovery.start()
+        await self._store.start()
 
     async def close(self) -> None:
         await self._store.close()
-        await self._discovery.stop()
 
     async def leading_pages(self, ids: list[int], salt: str, info: WorkerInfo) -> int:
         """Pages of ``ids``, from the first, present in L3 (0 on any failure or timeout, and 0
@@ -51,7 +50,7 @@ class L3Lookup:
 
 
 async def leading_pages(
-    store: ShardedKVStore, ids: list[int], salt: str, info: WorkerInfo, timeout_s: float = LOOKUP_TIMEOUT_S
+    store: ShardedKVStore | L3Store, ids: list[int], salt: str, info: WorkerInfo, timeout_s: float = LOOKUP_TIMEOUT_S
 ) -> int:
     """The lookup itself: hash ``ids``' whole pages as the worker's hierarchical cache keys them
     and ask the shards for the leading run present (0 on a slow or broken store)."""

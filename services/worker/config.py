@@ -62,6 +62,10 @@ class WorkerConfig:
         "own with the target's slots"))
     l3: bool = field(default=False, metadata=_h(
         "hierarchical cache: put and get pages on the kvstore shards found through etcd"))
+    outbox_bytes: int = field(default=0, metadata=_h(
+        "prefill/decode hand-over without the kvstore: keep this worker's L3 puts (its prompts' pages and "
+        "states) in an outbox of this many bytes (LRU) instead of the shards, served to other workers on this "
+        "worker's port and registered in etcd; 0 = off (puts go to the kvstore). Needs --l3"))
     metrics_port: int = field(default=-1, metadata=_h("Prometheus port; -1 = off, 0 = pick"))
     trace_exporter: Literal["none", "console", "file", "otlp"] = field(default="none", metadata=_h("spans"))
     trace_target: str = field(default="", metadata=_h("file path or OTLP endpoint for spans"))
@@ -127,3 +131,7 @@ class WorkerConfig:
             raise ConfigError("tp_timeout_s: must be > 0")
         if self.l3 and not (self.etcd and self.host_cache_bytes):
             raise ConfigError("l3: needs --etcd (to find the kvstore shards) and --host-cache-bytes > 0")
+        if self.outbox_bytes < 0 or (self.outbox_bytes and not self.l3):
+            raise ConfigError("outbox_bytes: must be >= 0, and an outbox needs --l3 (it holds L3 puts)")
+        if self.outbox_bytes and self.tp > 1:
+            raise ConfigError("outbox_bytes: not supported with tensor parallelism (tp > 1)")

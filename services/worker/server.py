@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -19,12 +20,18 @@ from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.metrics import MetricFactory, serve_metrics
 from services.common.server import Server, run_service, settle_heap
 from services.common.step import LateMasks, StepRequest, StepResult
+from services.kvstore.backends import MemoryBackend
+from services.kvstore.client import DEFAULT_BATCH_BYTES
+from services.kvstore.outbox import outbox_registration
+from services.kvstore.server import SERVICE_NAME as KVSTORE_SERVICE
+from services.kvstore.server import KVStoreServicer, backend_gauges
 from services.worker import memory_report, tp_group
 from services.worker.config import WorkerConfig
 from services.worker.engine import Engine, EngineConfig
 from services.worker.host_malloc import Trimmer, cap_arenas
 from services.worker.l3_port import KVStorePort
 from services.worker.tp import SINGLE, GroupBroken
+from strata.kvstore.v1 import kvstore_pb2_grpc as kvgrpc
 from strata.worker.v1 import worker_pb2 as wpb
 from strata.worker.v1 import worker_pb2_grpc as wgrpc
 
@@ -187,7 +194,8 @@ def engine_config(cfg: WorkerConfig) -> EngineConfig:
 
 async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
     followers = tp_group.Followers(cfg) if cfg.tp > 1 and not cfg.tp_rank else None  # before any thread
-    port_l3 = KVStorePort(cfg.etcd) if cfg.l3 else None
+    outbox = MemoryBackend(cfg.outbox_bytes) if cfg.outbox_bytes else None
+    port_l3 = KVStorePort(cfg.etcd, outbox=outbox) if cfg.l3 else None
     if port_l3 is not None:
         await port_l3.start()
     if cfg.tp_rank:  # a follower: no server, no registration (see tp_group)
@@ -214,10 +222,15 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
     registry = CollectorRegistry()
     servicer = WorkerServicer(engine, WorkerMetrics(registry), thread, followers)
     server.add(wgrpc.add_WorkerServicer_to_server, servicer, "strata.worker.v1.Worker")
+    if outbox is not None:  # other workers read this worker's hand-over pages with the kvstore's service
+        server.add(kvgrpc.add_KVStoreServicer_to_server, KVStoreServicer(outbox, DEFAULT_BATCH_BYTES),
+                   KVSTORE_SERVICE)  # fmt: skip
+        backend_gauges(MetricFactory(registry, "worker_outbox"), outbox)
     port = await server.start(f"{cfg.host}:{cfg.port}")
     address = advertised_address(cfg.host, port, cfg.advertise_host)
     metrics = serve_metrics(cfg.metrics_port, cfg.host, registry)
     registration = None
+    published = contextlib.AsyncExitStack()
     if cfg.etcd:
         capacity = {
             "num_slots": info.num_slots,
@@ -227,6 +240,10 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
         record = ServiceRecord("worker", cfg.instance_id or f"worker-{port}", address, name, "rank0", capacity)
         registration = Registration(cfg.etcd, record, ttl_s=cfg.lease_ttl_s)
         await registration.start()
+        if outbox is not None:
+            await published.enter_async_context(
+                outbox_registration(cfg.etcd, record.instance_id, address, cfg.outbox_bytes, cfg.lease_ttl_s)
+            )
     log.info(
         "worker serving %s on %s (%d slots, %d rows, %d host pages, %d host states, L3 %s, tp %d)",
         name,
@@ -256,6 +273,7 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
         print(f"worker: {message}", file=sys.stderr, flush=True)
         os._exit(1)  # the engine thread may sit in a collective until its timeout: do not wait for it
     if registration is not None:
+        await published.aclose()
         await registration.stop()
     await server.stop()
     if followers is not None:

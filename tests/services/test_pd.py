@@ -56,9 +56,17 @@ def _metric(stack: Stack, service: str, name: str) -> float:
     return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(name + "{"))
 
 
-def _pd_stack(model: Path, tmp: Path) -> Stack:
+def _pd_stack(model: Path, tmp: Path, direct: bool = False) -> Stack:
+    """``direct``: the prefill worker hands over from its outbox (``--outbox-bytes``), not the kvstore."""
     return start_stack(model, free_port(), tmp, roles=ROLES, common_args=("--metrics-port", "0"),
-                       worker_args=("--host-cache-bytes", "64MiB", "--l3", "true"), **QUIET)  # fmt: skip
+                       worker_args=("--host-cache-bytes", "64MiB", "--l3", "true"),
+                       role_worker_args={"prefill": ("--outbox-bytes", "32MiB")} if direct else None,
+                       **QUIET)  # fmt: skip
+
+
+def _gauge(stack: Stack, service: str, name: str) -> float:
+    text = _metrics_text(stack, service)
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(name + " "))
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +131,33 @@ def test_a_decode_replica_killed_mid_stream_loses_nothing(dense: Stack, tiny_qwe
                 decode.kill()
     assert decode.poll() is not None and len(got) == n
     assert got == hf_greedy(tiny_qwen3, ids, n, stop_at_eos=False)
+
+
+def test_direct_hand_over_moves_the_pages_from_the_prefill_worker(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """``--outbox-bytes`` on the prefill worker: its prompts' pages stay in its own outbox and the
+    decode worker reads them from there (the kvstore is never asked for one). Output is exact."""
+    s = _pd_stack(tiny_qwen3, tmp_path, direct=True)
+    try:
+        rng = random.Random(5)
+        system = [rng.randrange(3, 250) for _ in range(2 * PAGE)]
+        prompts = [system + [rng.randrange(3, 250) for _ in range(PAGE + 9 * i)] for i in range(3)]
+        with grpc.insecure_channel(s.child("tokenizer").address) as ch:
+            api = pgrpc.StrataStub(ch)
+            for p in prompts:
+                got, _ = _gen(api, p, 10)
+                assert got == hf_greedy(tiny_qwen3, p, 10, stop_at_eos=False), len(p)
+        text = _metrics_text(s, "scheduler")
+        assert f'strata_scheduler_handoffs_total{{outcome="stored"}} {float(len(prompts))}' in text, text
+        whole = sum(len(p) // PAGE for p in prompts)
+        assert _load(s.child("scheduler-1").address).cached_tokens >= whole * PAGE
+        # Every distinct page came out of the prefill worker's outbox (the system prompt's two once:
+        # later prompts found them in the decode replica's own cache), none out of the kvstore.
+        distinct = 2 + len(prompts)
+        assert _gauge(s, "worker", "strata_worker_outbox_pages") >= distinct
+        assert _gauge(s, "worker", "strata_worker_outbox_hits") >= distinct
+        assert _gauge(s, "kvstore", "strata_kvstore_hits") == 0
+    finally:
+        s.stop()
 
 
 def test_hybrid_prefix_and_state_reach_the_decode_replica(tiny_qwen3_next: Path, tmp_path: Path) -> None:

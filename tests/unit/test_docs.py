@@ -9,9 +9,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from services.cli import build_parser
+from services.common.metrics import MetricFactory
 from services.kvstore.backends import MemoryBackend
 from services.kvstore.config import KVStoreConfig
-from services.kvstore.server import _metrics
+from services.kvstore.server import backend_gauges
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.metrics import SchedulerMetrics
 from services.tokenizer.config import TokenizerConfig
@@ -39,7 +40,9 @@ def test_every_metric_is_documented() -> None:
     TokenizerMetrics(registries[0], "m")
     SchedulerMetrics(registries[1])
     WorkerMetrics(registries[2])
-    registries.append(_metrics(MemoryBackend(1 << 20)))
+    for service in ("kvstore", "worker_outbox"):
+        registries.append(CollectorRegistry())
+        backend_gauges(MetricFactory(registries[-1], service), MemoryBackend(1 << 20))
     names = {c._name for r in registries for c in r._names_to_collectors.values()}  # type: ignore[attr-defined]
     assert len(names) > 30
     assert not sorted(n for n in names if f"`{n}" not in DOC)

@@ -263,3 +263,30 @@ TestDenseHost = _machine(False, True).TestCase
 TestHybridDevice = _machine(True, False).TestCase
 TestHybridHost = _machine(True, True).TestCase
 TestDenseDevice.settings = TestDenseHost.settings = TestHybridDevice.settings = TestHybridHost.settings = _SETTINGS
+
+
+def test_a_write_through_backup_and_its_put_go_in_one_step() -> None:
+    """With L3, a prefix's backup and its put are one step's ops, the put right after the backup
+    (it reads the host pages the backup writes): the prompt is in L3 once that step is
+    acknowledged, which is what a prefill replica waits for before it hands a request over."""
+    mem = build_memory(_info(False, True, 1, 2, 40), MemoryConfig(hicache=HiConfig(write_policy="write_through")))
+    pools = Pools(2)
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4]
+    req = Req("r", prompt, Generation(GREEDY, 4, (), frozenset(), True, None, False, 0), seed=0)
+    assert mem.admit(req) == 0 and mem.start(req, len(prompt), reserve=0)
+    mem.planned(req, req.computed)
+    pools.run(mem.take_ops([]))
+    for i, s in enumerate(req.mem.slots[: len(prompt)]):
+        pools.kv[s] = tuple(prompt[: i + 1])
+    mem.release(req)  # its whole pages enter the tree: write-through backs them up with the next step
+    assert not mem.handed_over(req)
+    ops = mem.take_ops([])
+    kinds = [type(op).__name__ for op in ops]
+    assert kinds == ["HostBackup", "L3Put", "ReleaseRow"], kinds
+    backup, put, _ = ops
+    assert isinstance(backup, HostBackup) and isinstance(put, L3Put)
+    assert put.host_pages == backup.host_pages and len(put.keys) == len(prompt) // 2
+    mem.on_results(pools.run(ops))
+    assert mem.handed_over(req) and not mem.pending
+    assert sorted(pools.l3.values()) == sorted(pools.host[p] for p in backup.host_pages)
+    assert mem.take_ops([]) == []  # nothing left to put

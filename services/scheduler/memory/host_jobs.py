@@ -33,6 +33,7 @@ class Group:
     pins: list[bytes] = field(default_factory=list)  # host page keys pinned until acked
     spins: list[bytes] = field(default_factory=list)  # host state keys pinned until acked
     tracker: PrefetchTracker | None = None
+    put_sent: bool = False  # backup: its put went in the same step (``host_writes``)
 
 
 def group_ops(
@@ -65,18 +66,24 @@ def group_ops(
 def land(g: Group, pages: HostIndex, states: HostIndex) -> tuple[int, bool]:
     """Apply a finished group to the host indexes; returns (pages done, state done). A backup or
     prefetch indexes what arrived (the leading pages; the state only with every page before it)
-    and releases the rest of its reservation; a put marks what was stored as in L3. Pins go."""
+    and releases the rest of its reservation; a put marks what was stored as in L3. Pins go.
+
+    A put sent with its backup lands right after it (same step, later op): its pages are indexed
+    by then. One that finds an entry gone (a failed step, a reset) marks nothing for it."""
     got = g.kv_done
     state_ok = g.state_ok and (g.kind != "prefetch" or got == len(g.pages))
     if g.kind == "put":
+        marked = 0
         for k in g.keys[:got]:
             entry = pages.get(k)
-            assert entry is not None  # pinned
-            entry.l3 = True
-        if state_ok and g.skey is not None:
-            sentry = states.get(g.skey)
-            assert sentry is not None
+            if entry is not None:
+                entry.l3 = True
+                marked += 1
+        got = marked
+        sentry = states.get(g.skey) if state_ok and g.skey is not None else None
+        if sentry is not None:
             sentry.l3 = True
+        state_ok = sentry is not None
     else:
         for k, p in reversed(list(zip(g.keys[:got], g.pages[:got], strict=True))):
             pages.add(k, p)

@@ -1,7 +1,14 @@
 """The host tier's writes (``host_tier.py``): backups by the write policy (a prefix entering the
-tree, a second hit, or a device eviction under write_back), L3 puts after acknowledged backups, and
-what a finished group does to the host indexes, the tree and the counters. Functions over the tier,
-kept apart so admission and prefetch read without them."""
+tree, a second hit, or a device eviction under write_back), L3 puts, and what a finished group does
+to the host indexes, the tree and the counters. Functions over the tier, kept apart so admission
+and prefetch read without them.
+
+With L3, a backup's put goes in the same step, right after it: the worker runs a step's host ops
+in order, so the put reads the host pages the backup has just written (its bytes are snapshotted
+there and then), and both are acknowledged with that step. A prefill replica hands a request over
+once its prompt is in L3 (``HostTierPlanner.in_l3``): that is one step after its pages enter the
+tree, not two. When the in-flight bound leaves no room for the put, it follows the backup's
+acknowledgement instead, as a put of the pages then on the host."""
 
 from __future__ import annotations
 
@@ -64,6 +71,9 @@ def _backup(t: HostTierPlanner, keys: list[bytes], missing: list[int], skey: byt
     if g.skey is not None:
         t.incoming.add(g.skey)
     t.send(g, ops, backup_slots=(dev, state if state is not None else -1))
+    if t.l3 and not t.full():  # the put of what this backup writes, in the same step (module docstring)
+        g.put_sent = True
+        t.send(Group("put", g.keys, g.pages, g.skey, g.state), ops)
     return True
 
 
@@ -112,7 +122,7 @@ def finish(t: HostTierPlanner, g: Group) -> None:
             t.tree.unlock(g.node)
         c.backup_pages += got
         c.state_backups += state_ok
-        if t.l3 and (got or state_ok):
+        if t.l3 and (got or state_ok) and not g.put_sent:
             t.puts.append((g.keys[:got], g.skey if state_ok else None))
     elif g.kind == "prefetch":
         c.prefetched_pages += got
