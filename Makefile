@@ -128,10 +128,12 @@ soak-hicache: install models
 bench-hicache: install $(BENCH_MODEL)/config.json
 	$(BIN)/python -m benchmarks.hicache --model $(BENCH_MODEL)
 
-# Prefill/decode disaggregation (issue #31): decode ITL under long prompts, PD (1 + 1) vs two
-# co-located replicas, alternated (~8 min on 2 cores); writes docs/bench/pd.json.
+# Prefill/decode disaggregation (issue #31): decode ITL under long prompts, PD (1 + 1) through the
+# kvstore and directly (outbox) vs two co-located replicas, alternated (~12 min on 2 cores); writes
+# docs/bench/pd.json. PD_PIN="0;1" gives each replica's worker a core of its own (docs/bench/pd_pinned.json).
+PD_PIN ?=
 bench-pd: install $(BENCH_MODEL)/config.json
-	$(BIN)/python -m benchmarks.pd --model $(BENCH_MODEL) --out docs/bench/pd.json
+	$(BIN)/python -m benchmarks.pd --model $(BENCH_MODEL) $(if $(PD_PIN),--pin "$(PD_PIN)" --out docs/bench/pd_pinned.json,--out docs/bench/pd.json)
 
 # Attention paths (reference, flat, cascade; gathered or native) on the bench model's shapes against
 # the floor measured in the same run (~1 min); prints a table.

@@ -25,7 +25,9 @@ put into the prefill worker's own outbox is a copy in its memory and does not co
 process's CPU.
 
 On a 2-core machine both replicas share the same cores in both configurations: what PD can
-separate is the step (a decode step never waits for a prefill chunk), not the processors.
+separate is the step (a decode step never waits for a prefill chunk), not the processors, unless
+``--pin`` gives each replica's worker cores of its own (the workers' ``--cpus``: one core each on
+2 cores, as a device each would on a GPU host; the other services are not pinned).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class Config:
     kv_cache_bytes: str = "512MiB"
     host_cache_bytes: str = "1GiB"
     max_prefill_tokens: int = 2048
+    pin: str = ""  # "0;1": replica 0's worker (PD: the prefill one) on CPU 0, replica 1's on CPU 1
 
 
 @dataclass(slots=True)
@@ -106,9 +109,11 @@ def _stack(cfg: Config, name: str, run_dir: Path) -> Stack:
     worker = ("--kv-cache-bytes", cfg.kv_cache_bytes, "--host-cache-bytes", cfg.host_cache_bytes, "--l3", "true")
     scheduler = ("--max-prefill-tokens", str(cfg.max_prefill_tokens))
     roles = ("prefill", "decode") if name.startswith("pd") else ()
-    outbox = {"prefill": ("--outbox-bytes", cfg.host_cache_bytes)} if name == "pd-direct" else None
+    own: list[tuple[str, ...]] = [("--cpus", c) for c in cfg.pin.split(";")] if cfg.pin else [(), ()]
+    if name == "pd-direct":  # replica 0 prefills
+        own[0] += ("--outbox-bytes", cfg.host_cache_bytes)
     return start_stack(cfg.model, free_port(), run_dir / name, worker_args=worker, scheduler_args=scheduler,
-                       common_args=("--metrics-port", "0"), replicas=2, roles=roles, role_worker_args=outbox,
+                       common_args=("--metrics-port", "0"), replicas=2, roles=roles, replica_worker_args=own,
                        say=lambda _: None)  # fmt: skip
 
 
@@ -249,12 +254,14 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
     p.add_argument("--kv-cache-bytes", default=d.kv_cache_bytes)
     p.add_argument("--host-cache-bytes", default=d.host_cache_bytes)
+    p.add_argument("--pin", default="", help="each replica's worker on CPUs of its own, as the worker's --cpus "
+                   "lists separated by ';' (replica 0 first: the prefill one with PD), e.g. '0;1'; default: not pinned")
     p.add_argument("--only", choices=CONFIGS, default=None, help="one configuration")
     p.add_argument("--out", type=Path, default=None, help="write the runs as JSON here")
     p.add_argument("--run-dir", type=Path, default=None, help="the services' logs (default: a temporary folder)")
     a = p.parse_args(argv)
     cfg = Config(a.model, a.streams, a.short_len, a.stream_tokens, a.long_len, a.long_tokens, a.interval_s,
-                 a.phase_s, a.repeats, a.kv_cache_bytes, a.host_cache_bytes, a.max_prefill_tokens)  # fmt: skip
+                 a.phase_s, a.repeats, a.kv_cache_bytes, a.host_cache_bytes, a.max_prefill_tokens, a.pin)  # fmt: skip
     run_dir = a.run_dir or Path(tempfile.mkdtemp(prefix="strata-pd-"))
     names = [a.only] if a.only else list(CONFIGS)
     runs: list[Run] = []

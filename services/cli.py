@@ -65,6 +65,17 @@ def _stack_args(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
     return {"common": common, "worker": worker, "scheduler": scheduler, "tokenizer": tokenizer}
 
 
+def _replica_worker_args(args: argparse.Namespace, roles: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """Each replica's own worker flags: its CPUs (``--worker-cpus``), a prefill worker's outbox."""
+    n = len(roles) or args.replicas
+    cpus = args.worker_cpus.split(";") if args.worker_cpus else []
+    own: list[tuple[str, ...]] = [("--cpus", cpus[i]) if cpus else () for i in range(n)]
+    for i, role in enumerate(roles):
+        if role == "prefill" and args.handoff_outbox_bytes:
+            own[i] += ("--outbox-bytes", args.handoff_outbox_bytes)
+    return own
+
+
 def _up(args: argparse.Namespace) -> int:
     from services import supervisor
     from services.client import ClientError, show_cache_example
@@ -88,6 +99,11 @@ def _up(args: argparse.Namespace) -> int:
         return 2
     if args.handoff_outbox_bytes and not roles:
         print("strata up: --handoff-outbox-bytes is for --prefill-replicas / --decode-replicas", file=sys.stderr)
+        return 2
+    replicas = len(roles) or args.replicas
+    if args.worker_cpus and len(args.worker_cpus.split(";")) != replicas:
+        print(f"strata up: --worker-cpus needs one CPU list per replica ({replicas}), separated by ';'",
+              file=sys.stderr)  # fmt: skip
         return 2
     if args.tp is not None and args.tp < 1:
         print(f"strata up: --tp must be at least 1, got {args.tp}", file=sys.stderr)
@@ -124,8 +140,7 @@ def _up(args: argparse.Namespace) -> int:
             model, args.port, run_dir, etcd=args.etcd, worker_args=a["worker"], scheduler_args=a["scheduler"],
             common_args=a["common"], tokenizer_args=a["tokenizer"], http_port=args.http_port,
             replicas=args.replicas, etcd_tls=args.tls_files, roles=roles,
-            role_worker_args={"prefill": ("--outbox-bytes", args.handoff_outbox_bytes)} if args.handoff_outbox_bytes
-            else None,
+            replica_worker_args=_replica_worker_args(args, roles),
         )
     except (supervisor.StartError, OSError) as e:
         print(f"strata up: {e}", file=sys.stderr)
@@ -244,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--handoff-outbox-bytes", default="",
                     help="hand the KV over directly: each prefill worker keeps its prompts' pages in an outbox "
                          "of this size (e.g. 1GiB) that the decode workers read from, instead of the kvstore")
+    up.add_argument("--worker-cpus", default="",
+                    help="each replica's worker on CPUs of its own: one list per replica, separated by ';' "
+                         "(e.g. '0-7;8-15'; the worker's --cpus); default: not pinned")
     up.add_argument("--tool-call-parser", default="", choices=["", "hermes", "qwen3_coder"],
                     help="how the model writes tool calls (default hermes: Qwen3's <tool_call>{json}</tool_call>)")
     up.add_argument("--reasoning-parser", default="", choices=["", "none", "qwen3"],

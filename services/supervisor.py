@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -210,7 +210,7 @@ def start_stack(
     replicas: int = 1,
     etcd_tls: TlsFiles | None = None,
     roles: tuple[str, ...] = (),
-    role_worker_args: Mapping[str, tuple[str, ...]] | None = None,
+    replica_worker_args: Sequence[tuple[str, ...]] = (),
 ) -> Stack:
     """Start etcd (unless an endpoint is given), then the services, each as soon as what it needs
     is ready: kvstore, the first worker and the tokenizer at once; each scheduler once its worker
@@ -222,8 +222,9 @@ def start_stack(
     ...), one kvstore and one tokenizer routing over all of them. ``etcd_tls``: the etcd started
     here serves TLS and requires client certificates (the services then need ``--tls-*`` flags of
     the same CA in ``common_args``). ``roles``: one scheduler ``--role`` per replica (prefill /
-    decode disaggregation; ``replicas`` is then ``len(roles)``); ``role_worker_args``: more worker
-    flags for the replicas of a role (the prefill workers' ``--outbox-bytes``)."""
+    decode disaggregation; ``replicas`` is then ``len(roles)``); ``replica_worker_args[i]``: more
+    flags for replica ``i``'s worker only (the prefill workers' ``--outbox-bytes``, each worker's
+    ``--cpus``)."""
     replicas = len(roles) or replicas
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
@@ -251,9 +252,9 @@ def start_stack(
         for i in range(replicas):
             worker, scheduler = ("worker", "scheduler") if i == 0 else (f"worker-{i}", f"scheduler-{i}")
             role = ("--role", roles[i]) if roles else ()
-            for_role = (role_worker_args or {}).get(roles[i], ()) if roles else ()
+            own = replica_worker_args[i] if i < len(replica_worker_args) else ()
             specs += [
-                _Spec(worker, [*_module("worker"), "--model", str(model), *e, *common_args, *worker_args, *for_role],
+                _Spec(worker, [*_module("worker"), "--model", str(model), *e, *common_args, *worker_args, *own],
                       previous),
                 # Its worker's address is known once that worker is ready.
                 _Spec(scheduler, functools.partial(

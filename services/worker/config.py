@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -49,7 +50,10 @@ class WorkerConfig:
     attention: Literal["cascade", "flat", "reference"] = field(default="cascade", metadata=_h(
         "attention path: cascade = requests sharing a cached prefix attend to it once per group; flat = "
         "each request on its own; reference = the slow torch reference (for comparison)"))
-    threads: int = field(default=0, metadata=_h("torch threads for the forward; 0 = one per core"))
+    threads: int = field(default=0, metadata=_h("torch threads for the forward; 0 = one per core (of --cpus)"))
+    cpus: str = field(default="", metadata=_h(
+        "run on these CPUs only, e.g. 0-3 or 0,2 (the process and every thread it starts, the forward's "
+        "included: replicas on one host on cores of their own); empty = wherever the OS schedules it"))
     cuda_graph_max_batch: int = field(default=256, metadata=_h(
         "CUDA devices: decode steps of up to this many requests replay a CUDA graph per batch size "
         "(recorded on first use) instead of launching each kernel; 0 = off. No effect on the CPU"))
@@ -106,6 +110,8 @@ class WorkerConfig:
             raise ConfigError(f"host_state_share: must be > 0 and < 1, got {self.host_state_share}")
         if self.threads < 0:
             raise ConfigError("threads: must be >= 0 (0 = one per core)")
+        if self.cpus:
+            cpu_list(self.cpus)  # raises ConfigError naming the field
         if self.cuda_graph_max_batch < 0:
             raise ConfigError(f"cuda_graph_max_batch: must be >= 0 (0 = off), got {self.cuda_graph_max_batch}")
         if self.tp < 1:
@@ -135,3 +141,21 @@ class WorkerConfig:
             raise ConfigError("outbox_bytes: must be >= 0, and an outbox needs --l3 (it holds L3 puts)")
         if self.outbox_bytes and self.tp > 1:
             raise ConfigError("outbox_bytes: not supported with tensor parallelism (tp > 1)")
+
+
+def cpu_list(text: str) -> set[int]:
+    """``--cpus``: "0-3,6" -> {0, 1, 2, 3, 6}; each CPU must be one this process may run on."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            first, last = int(lo), int(hi or lo)
+            if first < 0 or last < first:
+                raise ValueError(part)
+            cpus.update(range(first, last + 1))
+    except ValueError:
+        raise ConfigError(f"cpus: expected CPU numbers and ranges such as 0-3 or 0,2, got {text!r}") from None
+    allowed = os.sched_getaffinity(0)
+    if not cpus <= allowed:
+        raise ConfigError(f"cpus: {sorted(cpus - allowed)} not among the CPUs this process may use {sorted(allowed)}")
+    return cpus

@@ -26,7 +26,7 @@ from services.kvstore.outbox import outbox_registration
 from services.kvstore.server import SERVICE_NAME as KVSTORE_SERVICE
 from services.kvstore.server import KVStoreServicer, backend_gauges
 from services.worker import memory_report, tp_group
-from services.worker.config import WorkerConfig
+from services.worker.config import WorkerConfig, cpu_list
 from services.worker.engine import Engine, EngineConfig
 from services.worker.host_malloc import Trimmer, cap_arenas
 from services.worker.l3_port import KVStorePort
@@ -185,14 +185,24 @@ def engine_config(cfg: WorkerConfig) -> EngineConfig:
         host_page_tokens=cfg.host_page_tokens,
         host_state_share=cfg.host_state_share,
         attention=cfg.attention,
-        threads=cfg.threads,
+        threads=cfg.threads or (len(cpu_list(cfg.cpus)) if cfg.cpus else 0),
         cuda_graph_max_batch=cfg.cuda_graph_max_batch,
         draft_model=cfg.speculative_draft_model,
         mtp=cfg.speculative_mtp,
     )
 
 
+def _pin(cpus: set[int]) -> None:
+    """Every thread of this process on ``cpus``: those started at import too; threads started
+    later (the engine's, its OpenMP team, gRPC's) inherit the mask."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that has ended meanwhile
+            os.sched_setaffinity(int(tid), cpus)
+
+
 async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
+    if cfg.cpus:
+        _pin(cpu_list(cfg.cpus))
     followers = tp_group.Followers(cfg) if cfg.tp > 1 and not cfg.tp_rank else None  # before any thread
     outbox = MemoryBackend(cfg.outbox_bytes) if cfg.outbox_bytes else None
     port_l3 = KVStorePort(cfg.etcd, outbox=outbox) if cfg.l3 else None

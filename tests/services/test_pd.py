@@ -60,7 +60,7 @@ def _pd_stack(model: Path, tmp: Path, direct: bool = False) -> Stack:
     """``direct``: the prefill worker hands over from its outbox (``--outbox-bytes``), not the kvstore."""
     return start_stack(model, free_port(), tmp, roles=ROLES, common_args=("--metrics-port", "0"),
                        worker_args=("--host-cache-bytes", "64MiB", "--l3", "true"),
-                       role_worker_args={"prefill": ("--outbox-bytes", "32MiB")} if direct else None,
+                       replica_worker_args=[("--outbox-bytes", "32MiB")] if direct else (),
                        **QUIET)  # fmt: skip
 
 
