@@ -253,6 +253,13 @@ class Registration:
         if self._lease_id is not None:
             await self._client.put(record.key.encode(), record.to_json().encode(), lease=self._lease_id)
 
+    async def __aenter__(self) -> Registration:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
     async def stop(self) -> None:
         """Stop refreshing and revoke the lease (deleting the key); best effort if etcd is down."""
         if self._task is not None:

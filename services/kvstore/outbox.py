@@ -18,10 +18,9 @@ slow outbox is a miss, as a dead shard is: the reader recomputes what it cannot 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
-from services.common.discovery import Discovery, Registration, ServiceRecord
+from services.common.discovery import Discovery
 from services.kvstore.sharded import ShardedKVStore, ShardedPutResult
 
 OUTBOX_KIND = "outbox"  # etcd service kind of the workers' outboxes
@@ -90,17 +89,3 @@ class L3Store:
             return await self.shards.exists(keys)
         flags = await self.present(keys)
         return next((i for i, f in enumerate(flags) if not f), len(flags))
-
-
-@contextlib.asynccontextmanager
-async def outbox_registration(
-    endpoint: str, instance_id: str, address: str, capacity_bytes: int, ttl_s: float = 5.0
-) -> AsyncIterator[None]:
-    """Publish a worker's outbox under ``/strata/v1/services/outbox/<instance_id>`` while it serves."""
-    record = ServiceRecord(OUTBOX_KIND, instance_id, address, capacity={"capacity_bytes": capacity_bytes})
-    reg = Registration(endpoint, record, ttl_s=ttl_s)
-    await reg.start()
-    try:
-        yield
-    finally:
-        await reg.stop()

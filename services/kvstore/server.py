@@ -159,12 +159,8 @@ async def etcd_registration(cfg: KVStoreConfig, port: int) -> AsyncIterator[None
     address = advertised_address(cfg.host, port, cfg.advertise_host)
     capacity = {"capacity_bytes": cfg.capacity_bytes, "backend": cfg.backend}
     record = ServiceRecord("kvstore", cfg.instance_id or f"kvstore-{port}", address, capacity=capacity)
-    reg = EtcdRegistration(cfg.etcd, record)
-    await reg.start()
-    try:
+    async with EtcdRegistration(cfg.etcd, record):
         yield
-    finally:
-        await reg.stop()
 
 
 async def serve(cfg: KVStoreConfig, stop: asyncio.Event, registration: Registration | None = None) -> None:

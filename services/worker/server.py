@@ -22,7 +22,7 @@ from services.common.server import Server, run_service, settle_heap
 from services.common.step import LateMasks, StepRequest, StepResult
 from services.kvstore.backends import MemoryBackend
 from services.kvstore.client import DEFAULT_BATCH_BYTES
-from services.kvstore.outbox import outbox_registration
+from services.kvstore.outbox import OUTBOX_KIND
 from services.kvstore.server import SERVICE_NAME as KVSTORE_SERVICE
 from services.kvstore.server import KVStoreServicer, backend_gauges
 from services.worker import memory_report, tp_group
@@ -251,9 +251,8 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
         registration = Registration(cfg.etcd, record, ttl_s=cfg.lease_ttl_s)
         await registration.start()
         if outbox is not None:
-            await published.enter_async_context(
-                outbox_registration(cfg.etcd, record.instance_id, address, cfg.outbox_bytes, cfg.lease_ttl_s)
-            )
+            box = ServiceRecord(OUTBOX_KIND, record.instance_id, address, capacity={"capacity_bytes": cfg.outbox_bytes})
+            await published.enter_async_context(Registration(cfg.etcd, box, ttl_s=cfg.lease_ttl_s))
     log.info(
         "worker serving %s on %s (%d slots, %d rows, %d host pages, %d host states, L3 %s, tp %d)",
         name,
