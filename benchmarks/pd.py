@@ -78,6 +78,7 @@ class Config:
     host_cache_bytes: str = "1GiB"
     max_prefill_tokens: int = 2048
     pin: str = ""  # "0;1": replica 0's worker (PD: the prefill one) on CPU 0, replica 1's on CPU 1
+    device: str = "cpu"  # the workers' --device: on a lent GPU machine both share the one GPU
 
 
 @dataclass(slots=True)
@@ -106,7 +107,8 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _stack(cfg: Config, name: str, run_dir: Path) -> Stack:
-    worker = ("--kv-cache-bytes", cfg.kv_cache_bytes, "--host-cache-bytes", cfg.host_cache_bytes, "--l3", "true")
+    worker = ("--kv-cache-bytes", cfg.kv_cache_bytes, "--host-cache-bytes", cfg.host_cache_bytes, "--l3", "true",
+              "--device", cfg.device)
     scheduler = ("--max-prefill-tokens", str(cfg.max_prefill_tokens))
     roles = ("prefill", "decode") if name.startswith("pd") else ()
     own: list[tuple[str, ...]] = [("--cpus", c) for c in cfg.pin.split(";")] if cfg.pin else [(), ()]
@@ -259,9 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", choices=CONFIGS, default=None, help="one configuration")
     p.add_argument("--out", type=Path, default=None, help="write the runs as JSON here")
     p.add_argument("--run-dir", type=Path, default=None, help="the services' logs (default: a temporary folder)")
+    p.add_argument("--device", default=d.device, help="the workers' --device (cpu, cuda: both on the one GPU)")
     a = p.parse_args(argv)
     cfg = Config(a.model, a.streams, a.short_len, a.stream_tokens, a.long_len, a.long_tokens, a.interval_s,
-                 a.phase_s, a.repeats, a.kv_cache_bytes, a.host_cache_bytes, a.max_prefill_tokens, a.pin)  # fmt: skip
+                 a.phase_s, a.repeats, a.kv_cache_bytes, a.host_cache_bytes, a.max_prefill_tokens, a.pin,
+                 a.device)  # fmt: skip
     run_dir = a.run_dir or Path(tempfile.mkdtemp(prefix="strata-pd-"))
     names = [a.only] if a.only else list(CONFIGS)
     runs: list[Run] = []
@@ -279,11 +283,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[pd] {name} #{repeat + 1}: ITL p99 quiet {run.itl_quiet_ms['p99']:.1f} ms, burst "
                   f"{run.itl_burst_ms['p99']:.1f} ms ({run.p99_ratio:.2f}x); {run.long_requests} long prompts, "
                   f"TTFT {run.long_ttft_ms:.0f} ms, failed {run.failed}", flush=True)  # fmt: skip
+            if a.out is not None:  # after every run: a cut-off bench keeps what it measured
+                a.out.parent.mkdir(parents=True, exist_ok=True)
+                a.out.write_text(json.dumps({"config": {k: str(v) for k, v in asdict(cfg).items()},
+                                             "runs": [asdict(r) for r in runs]}, indent=1) + "\n")  # fmt: skip
     print(table(runs))
-    if a.out is not None:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps({"config": {k: str(v) for k, v in asdict(cfg).items()},
-                                     "runs": [asdict(r) for r in runs]}, indent=1) + "\n")  # fmt: skip
     return 0
 
 

@@ -68,6 +68,8 @@ class Config:
     repeats: int = 3
     batches: tuple[int, ...] = BATCHES
     out: Path | None = None
+    device: str = "cpu"  # the workers' --device (cuda on a lent GPU machine)
+    workloads: tuple[str, ...] = WORKLOADS
 
 
 @dataclass(slots=True)
@@ -194,7 +196,7 @@ async def bench(cfg: Config, stacks: dict[str, Any]) -> list[Run]:
         await warm_up(backends[side], vocab, prompt_len=64, requests=8)
     runs: list[Run] = []
     for rep in range(cfg.repeats):
-        for kind in WORKLOADS:
+        for kind in cfg.workloads:
             for batch in cfg.batches:
                 sides = list(SIDES) if rep % 2 == 0 else list(reversed(SIDES))  # alternate who goes first
                 for side in sides:
@@ -214,8 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated concurrencies")
     p.add_argument("--out", type=Path, default=None, help="write the runs as JSON here")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of " + ", ".join(WORKLOADS))
+    p.add_argument("--device", default="cpu", help="the workers' --device (cpu, cuda)")
     a = p.parse_args(argv)
-    cfg = Config(a.model, a.output_len, a.prompt_len, a.repeats, tuple(int(b) for b in a.batches.split(",")), a.out)
+    kinds = tuple(a.workloads.split(","))
+    if bad := [k for k in kinds if k not in WORKLOADS]:
+        p.error(f"--workloads: unknown {', '.join(bad)} (known: {', '.join(WORKLOADS)})")
+    cfg = Config(a.model, a.output_len, a.prompt_len, a.repeats, tuple(int(b) for b in a.batches.split(",")), a.out,
+                 a.device, kinds)
 
     from services.common.etcd_proc import free_port
     from services.supervisor import start_stack
@@ -230,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"starting the '{side}' stack", flush=True)
             stacks[side] = start_stack(
                 cfg.model, free_port(), run_dir / side,
-                worker_args=("--max-rows", str(rows), "--kv-cache-bytes", str(kv), "--host-cache-bytes", "0"),
+                worker_args=("--max-rows", str(rows), "--kv-cache-bytes", str(kv), "--host-cache-bytes", "0",
+                             "--device", cfg.device),
                 scheduler_args=("--metrics-port", "0", "--max-running", str(rows), *args),
                 say=lambda line: print("  " + line, flush=True),
             )  # fmt: skip
