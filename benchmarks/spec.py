@@ -4,9 +4,10 @@
 
 Three stacks of the same checkpoint run at once (an idle stack costs next to nothing) and take
 turns, ``--repeats`` times: speculation **off**, **on** (``--speculative-algorithm ngram`` with
-its defaults: it stops drafting above ``--speculative-max-batch`` decoding requests and backs off
-for requests whose drafts keep failing) and **forced** (no batch limit, no back-off for rejected
-drafts: what drafting costs where it does not pay). Each serves three workloads at batch
+its defaults: it stops drafting above ``--speculative-max-batch`` decoding requests, at batch
+sizes where it measured drafting slower than plain decode, and backs off for requests whose
+drafts keep failing) and **forced** (no batch limit, no pacer, no back-off for rejected drafts:
+what drafting costs where it does not pay). Each serves three workloads at batch
 (concurrency) 1, 8 and 64:
 
 - **loop**: prompts that repeat a short phrase (1, 2, 4 or 8 tokens: a list, a log) — the model's
@@ -53,6 +54,7 @@ SIDES = {
     "on": ("--speculative-algorithm", "ngram"),
     "forced": (
         "--speculative-algorithm", "ngram", "--speculative-max-batch", "100000", "--speculative-min-accepted", "0",
+        "--speculative-adaptive", "false",
     ),
 }
 BATCHES = (1, 8, 64)

@@ -163,13 +163,14 @@ class Batcher:
         """One token for each decoding request (retracting the newest when memory is short);
         returns the requests scheduled to decode."""
         decodes = [r for r in self.running if _decoding(r) and self._may_decode(r)]
+        n = len(decodes)  # the batch size, for speculation's limits
         if self.spec is not None:  # a request that drafts waits for its token in flight first
-            n = len(decodes)
+            self.spec.decoding = n
             decodes = [r for r in decodes if not (r.inflight and self.spec.drafting(r, n))]
         i = 0
         while i < len(decodes):
             req = decodes[i]
-            draft = self.spec.draft(req, len(decodes)) if self.spec is not None else []
+            draft = self.spec.draft(req, n) if self.spec is not None else []
             if draft and self._grant(req, 1 + len(draft)):  # short of memory: an ordinary decode
                 inputs.append((req, 1 + len(draft)))
                 self._drafts[id(req)] = draft

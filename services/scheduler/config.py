@@ -93,6 +93,10 @@ class SchedulerConfig:
     speculative_min_accepted: float = field(default=1.0, metadata=_h(
         "speculative decoding: a request whose drafts keep fewer tokens per step than this (running mean) "
         "backs off (8, 16, ... 64 decodes)"))
+    speculative_adaptive: bool = field(default=True, metadata=_h(
+        "speculative decoding: measure the decode token rate with drafts and without at each batch size "
+        "(windows of 16 steps, the slower mode retried now and then) and draft only where it is faster; "
+        "false = draft whenever the other limits allow"))
     role: Literal["both", "prefill", "decode"] = field(default="both", metadata=_h(
         "prefill/decode disaggregation: 'prefill' ends each new request after its first token once its "
         "prompt's pages are in the kvstore (the tokenizer goes on with a 'decode' replica, which loads "
@@ -147,6 +151,7 @@ class SchedulerConfig:
             ngram_max=self.speculative_ngram_max,
             max_batch=self.speculative_max_batch,
             min_accepted=self.speculative_min_accepted,
+            adaptive=self.speculative_adaptive,
         )
 
     def loop(self) -> LoopConfig:

@@ -338,6 +338,8 @@ class SchedulerLoop:
             self.counters.generated_tokens += len(result.outputs)
             if not from_idle:
                 self.counters.worker_idle_s += result.idle_s
+            if batcher.spec is not None:
+                batcher.spec.observe(len(result.outputs), counted=not from_idle and not done.prefill_tokens)
             from_idle = False
             self.counters.worker_busy_s += result.forward_s + result.sample_s
             if self.metrics is not None:

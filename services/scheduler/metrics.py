@@ -60,7 +60,8 @@ class SchedulerMetrics:
         # Speculative decoding.
         self.spec_events = m.counter(
             "spec_events", "Speculative decoding: verify_steps (request-steps with drafts), draft_tokens "
-            "(sent), accepted_tokens (kept by the worker).", ["event"],
+            "(sent), accepted_tokens (kept by the worker), windows_on / windows_off (the pacer's measured "
+            "windows of decode steps with drafting on / off).", ["event"],
         )
         self.spec_draft_seconds = m.counter("spec_draft_seconds", "Time spent drafting.")
         self._last_spec: dict[str, int] = {}
@@ -96,6 +97,8 @@ class SchedulerMetrics:
             sums = {
                 "verify_steps": c.verify_steps, "draft_tokens": c.draft_tokens, "accepted_tokens": c.accepted_tokens,
             }
+            if (pacer := batcher.spec.pacer) is not None:
+                sums |= {"windows_on": pacer.counters.windows_on, "windows_off": pacer.counters.windows_off}
             self._last_spec = self._count(self.spec_events, sums, self._last_spec)
             self.spec_draft_seconds.inc(c.draft_s - self._last_draft_s)
             self._last_draft_s = c.draft_s

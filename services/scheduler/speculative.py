@@ -18,11 +18,13 @@ with them constrained requests decode without drafts.
 
 When drafting does not pay it is skipped: above ``max_batch`` decoding requests (the verify pass
 then costs more than the tokens it saves: on 2 CPU cores a verify of 4 drafts costs 1.5x a decode
-at batch 1, 2x at 8, 2.8x at 32), for a request whose known tokens have nothing to look up (a
-drafting request gives up overlap scheduling for that step, since it needs its last token before
-it can draft), and for a request whose drafts keep failing — kept fewer than ``min_accepted``
-tokens per verify on average: it backs off for 8, 16, ... up to 64 of its decodes before it tries
-again.
+at batch 1, 2x at 8, 2.8x at 32), at a batch size where the measured token rate with drafts is
+not above the rate without (``adaptive``: spec_pacer.py; on a GPU, where decode steps replay CUDA
+graphs and verify steps do not, that is every batch size so far), for a request whose known
+tokens have nothing to look up (a drafting request gives up overlap scheduling for that step,
+since it needs its last token before it can draft), and for a request whose drafts keep failing
+— kept fewer than ``min_accepted`` tokens per verify on average: it backs off for 8, 16, ... up
+to 64 of its decodes before it tries again.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from services.scheduler.request import Req
+from services.scheduler.spec_pacer import Pacer
 
 ALGORITHMS = ("ngram", "draft", "mtp")
 Drafter = Callable[[Req, int], list[int]]
@@ -47,6 +50,7 @@ class SpecConfig:
     ngram_max: int = 4  # longest suffix looked up (the longest that recurs wins)
     max_batch: int = 4  # draft only while at most this many requests decode
     min_accepted: float = 1.0  # drafts kept per verify (a request's running mean) below which it backs off
+    adaptive: bool = True  # draft only at batch sizes where it was measured to pay (spec_pacer.py)
 
     def validate(self) -> None:
         if self.algorithm and self.algorithm not in ALGORITHMS:
@@ -109,11 +113,20 @@ class Speculator:
             drafter = (lambda req, k: [0] * k) if self.worker_drafts else (
                 lambda req, k: ngram_draft(req.seq, k, cfg.ngram_min, cfg.ngram_max))
         self.drafter: Drafter = drafter
+        self.pacer = Pacer() if cfg.adaptive else None
+        self.decoding = 0  # requests decoding in the latest planned step (the batcher sets it)
 
     def _eligible(self, req: Req, decoding: int) -> bool:
-        """Not over the batch limit, not backing off, and not constrained by a grammar when the
-        worker drafts (the scheduler masks only drafts it can see)."""
-        return decoding <= self.cfg.max_batch and not req.spec_wait and (req.grammar is None or not self.worker_drafts)
+        """Not over the batch limit, at a batch size where drafting pays, not backing off, and not
+        constrained by a grammar when the worker drafts (the scheduler masks only drafts it can see)."""
+        return (decoding <= self.cfg.max_batch and (self.pacer is None or self.pacer.allows(decoding))
+                and not req.spec_wait and (req.grammar is None or not self.worker_drafts))  # fmt: skip
+
+    def observe(self, tokens: int, counted: bool) -> None:
+        """A step was committed with ``tokens`` output tokens (``counted``: a pure decode step that
+        followed another step without an idle pause): the pacer's measurement."""
+        if self.pacer is not None:
+            self.pacer.observe(self.decoding, tokens, counted)
 
     def drafting(self, req: Req, decoding: int) -> bool:
         """Whether ``req`` drafts while ``decoding`` requests decode: then it is planned only once

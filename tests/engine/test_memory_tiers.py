@@ -266,7 +266,7 @@ def test_speculation_with_every_tier(model: Path, tier: str) -> None:
     port = KVStorePort(shards) if tier == "l3" else None
     eng = _engine(model, port)
     conv = _conversation(eng, flush_device if tier == "host" else flush_host, (port, shards) if port else None)
-    spec = Speculator(SpecConfig("ngram", num_draft_tokens=3, max_batch=64, min_accepted=0),
+    spec = Speculator(SpecConfig("ngram", num_draft_tokens=3, max_batch=64, min_accepted=0, adaptive=False),
                       eng.info.context_length, drafter=lambda req, k: [req.seq[-1]] * k)  # fmt: skip
 
     async def body(loop: SchedulerLoop) -> Turns:
@@ -288,7 +288,7 @@ def test_mtp_with_every_tier(tiny_qwen3_next: Path, tier: str) -> None:
     port = KVStorePort(shards) if tier == "l3" else None
     eng = _engine(tiny_qwen3_next, port, mtp=True)
     conv = _conversation(eng, flush_device if tier == "host" else flush_host, (port, shards) if port else None)
-    spec = SpecConfig("mtp", num_draft_tokens=3, max_batch=64, min_accepted=0)
+    spec = SpecConfig("mtp", num_draft_tokens=3, max_batch=64, min_accepted=0, adaptive=False)
     res, loop = h.serve(eng, LoopConfig(spec=spec), conv)
     _check(tiny_qwen3_next, res)
     assert loop.batcher is not None and loop.batcher.spec is not None

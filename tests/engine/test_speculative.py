@@ -20,7 +20,7 @@ from services.scheduler.speculative import SpecConfig, Speculator
 from tests import sched_harness as h
 from tests.reference import hf_greedy
 
-NGRAM = SpecConfig("ngram", num_draft_tokens=4, max_batch=64)  # exactness, not the policy: always draft
+NGRAM = SpecConfig("ngram", num_draft_tokens=4, max_batch=64, adaptive=False)  # exactness, not the policy: always draft
 WORDS = r"[a-z]{1,3}( [a-z]{1,3}){5,9}"  # short words: the output repeats, so prompt lookup drafts
 
 
@@ -172,4 +172,19 @@ def test_constrained_drafts_are_masked_and_rolled_back(tiny_qwen3: Path, dense: 
     told, loop = h.run(dense, specs(), LoopConfig(), setup=attach)
     assert [o.ids for o in told] == truth
     assert 0 < oracle.counters.accepted_tokens < oracle.counters.draft_tokens, oracle.counters
+    _check_books(loop)
+
+
+def test_the_pacer_measures_both_modes_and_output_is_unchanged(tiny_qwen3: Path, dense: h.Engine) -> None:
+    """The default (``adaptive``): a long looping answer at batch 1; the pacer measures windows
+    with drafting on and off (whichever it then keeps on this machine), and the answer equals
+    transformers."""
+    prompt = _repetitive(dense.info.vocab_size, seed=5)[0][:30]
+    want = hf_greedy(tiny_qwen3, prompt, 160, stop_at_eos=False)
+    outs, loop = h.run(dense, [h.Spec(prompt, 160)], LoopConfig(spec=SpecConfig("ngram", num_draft_tokens=4)))
+    assert outs[0].ids == want
+    assert loop.batcher is not None and loop.batcher.spec is not None and loop.batcher.spec.pacer is not None
+    pc = loop.batcher.spec.pacer.counters
+    assert pc.windows_on >= 1 and pc.windows_off >= 1, pc
+    assert loop.batcher.spec.counters.verify_steps > 0
     _check_books(loop)

@@ -17,7 +17,7 @@ from services.worker.config import WorkerConfig
 from tests import sched_harness as h
 from tests.reference import hf_greedy
 
-DRAFT = SpecConfig("draft", num_draft_tokens=4, max_batch=64)
+DRAFT = SpecConfig("draft", num_draft_tokens=4, max_batch=64, adaptive=False)
 
 
 def _engine(model: Path, draft: Path | None, kv_bytes: int = 1 << 22) -> h.Engine:
@@ -58,7 +58,8 @@ def test_a_dense_draft_for_a_hybrid_target(tiny_qwen3: Path, tiny_qwen3_next: Pa
     eng = _engine(tiny_qwen3_next, tiny_qwen3)
     prompts = _prompts(eng.info.vocab_size, seed=2)
     want = [hf_greedy(tiny_qwen3_next, p, 12, stop_at_eos=False) for p in prompts]
-    cfg = LoopConfig(max_prefill_tokens=16, spec=SpecConfig("draft", num_draft_tokens=3, max_batch=64, min_accepted=0))
+    spec = SpecConfig("draft", num_draft_tokens=3, max_batch=64, min_accepted=0, adaptive=False)
+    cfg = LoopConfig(max_prefill_tokens=16, spec=spec)
     outs, loop = h.run(eng, [h.Spec(p, 12) for p in prompts], cfg)
     assert [o.ids for o in outs] == want
     assert loop.batcher is not None and loop.batcher.spec is not None

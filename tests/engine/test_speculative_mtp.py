@@ -23,7 +23,7 @@ from services.worker.tiny import MTP_FILE
 from tests import sched_harness as h
 from tests.reference import hf_greedy
 
-MTP = SpecConfig("mtp", num_draft_tokens=3, max_batch=64, min_accepted=0)  # never backs off
+MTP = SpecConfig("mtp", num_draft_tokens=3, max_batch=64, min_accepted=0, adaptive=False)  # never backs off
 
 
 def _engine(model: Path, kv_bytes: int = 1 << 22, page_size: int = 1) -> h.Engine:

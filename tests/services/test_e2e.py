@@ -4,8 +4,9 @@ Greedy output through ``strata.v1.Strata/Generate`` must equal transformers' ``g
 same tiny checkpoint, token for token; bad input gets INVALID_ARGUMENT naming the field, and the
 server keeps serving; one request leaves spans from every service under one trace id. The stack
 runs with everything on at once: the hierarchical cache (host pool + L3), overlap scheduling and
-speculative decoding (``--speculative-algorithm ngram``), so every test here also checks that
-speculation changes nothing a client sees.
+speculative decoding (``--speculative-algorithm ngram``, without the pacer, so that drafts are
+sent wherever they can be rather than where they are measured to pay), so every test here also
+checks that speculation changes nothing a client sees.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def stack(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     common = ("--trace-exporter", "file", "--trace-target", str(run_dir / "spans-{service}.jsonl"))
     # As `make run` starts it: the hierarchical cache on (host pool + kvstore L3); and speculation.
     worker = ("--host-cache-bytes", str(64 << 20), "--l3", "true")
-    scheduler = ("--speculative-algorithm", "ngram", "--metrics-port", "0")
+    scheduler = ("--speculative-algorithm", "ngram", "--speculative-adaptive", "false", "--metrics-port", "0")
     s = start_stack(
         tiny_qwen3, free_port(), run_dir, common_args=common, worker_args=worker, scheduler_args=scheduler,
         say=lambda _: None,

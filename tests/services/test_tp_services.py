@@ -93,7 +93,7 @@ def test_every_path_through_the_services_equals_transformers(
     stack = start_stack(
         model, free_port(), tmp_path, worker_args=_worker_args(160 * _slot_bytes_per_rank(model, 2), 2),
         scheduler_args=("--max-prefill-tokens", "24", "--metrics-port", "0", "--speculative-algorithm", "ngram",
-                        "--speculative-max-batch", "64"),
+                        "--speculative-max-batch", "64", "--speculative-adaptive", "false"),
         say=lambda _: None,
     )  # fmt: skip
     try:

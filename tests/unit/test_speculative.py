@@ -16,6 +16,7 @@ from services.common.validation import Limits, generation
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.memory import MemoryConfig, build_memory
 from services.scheduler.request import Req
+from services.scheduler.spec_pacer import Pacer, bucket_of
 from services.scheduler.speculative import SpecConfig, Speculator, ngram_draft
 from services.worker.engine import accepted_len
 from services.worker.step_check import _check_each, _Limits
@@ -222,3 +223,79 @@ def test_config_refuses_bad_settings() -> None:
     with pytest.raises(ConfigError, match="ngram sizes"):
         SchedulerConfig(worker="x:1", speculative_ngram_min=3, speculative_ngram_max=2).validate()
     assert SchedulerConfig(worker="x:1", speculative_algorithm="ngram").loop().spec.algorithm == "ngram"
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _steps(pacer: Pacer, clock: _Clock, n: int, count: int, rate: dict[bool, float]) -> list[bool]:
+    """``count`` pure decode steps of ``n`` requests, each 20 ms, producing the tokens that
+    ``rate`` (tokens/s) gives the mode the pacer is in when the step is planned; the modes, in turn."""
+    modes = []
+    for _ in range(count):
+        on = pacer.allows(n)
+        modes.append(on)
+        clock.now += 0.02
+        pacer.observe(n, round(rate[on] * 0.02), counted=True)
+    return modes
+
+
+def test_pacer_keeps_drafting_where_it_is_faster_and_retries_the_other_mode() -> None:
+    clock = _Clock()
+    pacer = Pacer(window=4, settle=1, clock=clock)
+    faster = {True: 150.0, False: 50.0}  # drafting: 3 tokens per step; plain: 1
+    modes = _steps(pacer, clock, 1, 11, faster)
+    # drafting first: the first commit has no interval and the next settles (planned before the
+    # mode was known), then a window of 4; then a window without drafts (settle + 4)
+    assert modes == [True] * 6 + [False] * 5 and pacer.allows(1)
+    assert pacer.counters.windows_on == 1 and pacer.counters.windows_off == 1
+    # drafting stays on for 4 windows, then plain decode is tried for one window, found slower
+    # again: drafting resumes and the next try waits 8 windows
+    modes = _steps(pacer, clock, 1, 17 + 5 + 5, faster)
+    assert modes == [True] * 17 + [False] * 5 + [True] * 5
+    assert pacer._buckets[0].probe_every == 8 and pacer.counters.windows_off == 2
+
+
+def test_pacer_stops_drafting_where_it_is_slower_and_per_batch_size() -> None:
+    clock = _Clock()
+    pacer = Pacer(window=4, settle=1, clock=clock)
+    slower = {True: 50.0, False: 100.0}  # the GPU's case: a verify costs more than the decodes it saves
+    assert _steps(pacer, clock, 1, 11, slower) == [True] * 6 + [False] * 5 and not pacer.allows(1)
+    assert pacer.allows(2) and pacer.allows(8)  # other batch sizes are measured on their own
+    # off for 4 windows (the measuring one counts), then drafting is tried once, found slower again
+    assert _steps(pacer, clock, 1, 12, slower) == [False] * 12 and pacer.allows(1)
+    assert _steps(pacer, clock, 1, 5, slower) == [True] * 5 and not pacer.allows(1)
+    assert pacer._buckets[0].probe_every == 8
+    # a tie goes to plain decode (it keeps overlap and costs no drafting time)
+    tie = Pacer(window=4, settle=0, clock=clock)
+    _steps(tie, clock, 3, 9, {True: 100.0, False: 100.0})
+    assert not tie.allows(3) and not tie.allows(4) and tie.allows(5)
+
+
+def test_pacer_counts_only_pure_decode_steps_that_follow_a_step() -> None:
+    clock = _Clock()
+    pacer = Pacer(window=2, settle=0, clock=clock)
+    for counted in (True, False, True, True):  # the second step had a prefill
+        clock.now += 1.0
+        pacer.observe(1, 5, counted=counted)
+    # the first commit has no interval and the prefill step is not counted: the window closes on
+    # the last two, 5 tokens each in 1 s
+    assert pacer.counters.windows_on == 1 and pacer._buckets[0].rate[True] == 5.0
+    with pytest.raises(ValueError, match="window 0"):
+        Pacer(window=0)
+    assert [bucket_of(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [0, 1, 2, 2, 3, 3, 4]
+
+
+def test_speculator_drafts_only_where_the_pacer_allows() -> None:
+    spec = Speculator(SpecConfig("ngram", num_draft_tokens=2, max_batch=8), context_length=64)
+    assert spec.pacer is not None and SpecConfig().adaptive
+    loop = _req([3, 4] * 5)
+    assert spec.draft(loop, 1) == [3, 4]
+    spec.pacer._buckets[0].on = False  # measured slower at batch 1
+    assert spec.draft(loop, 1) == [] and not spec.drafting(loop, 1) and spec.draft(loop, 2) == [3, 4]
+    assert Speculator(SpecConfig("ngram", adaptive=False), context_length=64).pacer is None

@@ -1,0 +1,127 @@
+"""Whether drafting pays, measured: the decode token rate with drafts and without, per batch size.
+
+What a verify step costs against a decode step depends on the device, the model and the batch,
+not on the acceptance alone. On 2 CPU cores prompt lookup at batch 1 made a looping answer 1.5x
+faster; on an H100 the same workload at 0.83 acceptance ran at 0.54x, because a decode step
+replays a CUDA graph while a verify step runs eagerly, and a drafting request gives up overlap
+(docs/benchmarks.md, "GPU, fourth loan"). So the scheduler measures instead of assuming.
+
+For each batch-size bucket (1, 2, 3-4, 5-8, ... decoding requests) the pacer alternates between
+*windows* of ``window`` pure decode steps with drafting on and with it off, and keeps a running
+rate for each: output tokens committed over the wall time between commits (so a verify's own
+cost, the overlap it gives up and the tokens it keeps all count). Drafting stays in the faster
+mode; the slower one is tried again for one window after 4 windows, then 8, ... up to
+``max_probe_every`` while it stays slower (back to 4 when a try reverses the choice). Steps with a
+prefill, after an idle pause, or just after the mode or the bucket changed (their step was planned
+before: ``settle``) are not counted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+PROBE_EVERY = 4  # windows in the faster mode before the slower one is tried again, at first
+
+
+@dataclass(slots=True)
+class _Bucket:
+    rate: dict[bool, float] = field(default_factory=dict)  # drafting? -> tokens/s, a running mean over windows
+    on: bool = True  # drafting in this bucket now
+    probing: bool = False  # this window tries the mode that was slower
+    probe_every: int = PROBE_EVERY
+    since_probe: int = 0
+    steps: int = 0  # the open window
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class PacerCounters:
+    windows_on: int = 0  # windows measured with drafting on
+    windows_off: int = 0  # ... and off
+
+
+def bucket_of(n: int) -> int:
+    """0 for one decoding request, 1 for two, 2 for 3-4, 3 for 5-8, ..."""
+    return max(n - 1, 0).bit_length()
+
+
+class Pacer:
+    """Drafting on or off per batch-size bucket, from measured token rates (see the module doc)."""
+
+    def __init__(self, window: int = 16, settle: int = 2, margin: float = 1.02, max_probe_every: int = 64,
+                 clock: Callable[[], float] = time.perf_counter) -> None:  # fmt: skip
+        """``margin``: drafting must be this much faster to stay on (ties go to plain decode, which
+        keeps overlap and costs no drafting time)."""
+        if window < 1 or settle < 0 or margin < 1.0 or max_probe_every < PROBE_EVERY:
+            raise ValueError(f"pacer: window {window}, settle {settle}, margin {margin}, "
+                             f"max_probe_every {max_probe_every} out of range")  # fmt: skip
+        self.window, self.settle, self.margin, self.max_probe_every = window, settle, margin, max_probe_every
+        self.clock = clock
+        self.counters = PacerCounters()
+        self._buckets: dict[int, _Bucket] = {}
+        self._last: float | None = None  # the previous commit
+        self._prev: tuple[int, bool] | None = None  # (bucket, mode) of the previous counted step
+        self._settling = 0
+
+    def _bucket(self, n: int) -> _Bucket:
+        key = bucket_of(n)
+        b = self._buckets.get(key)
+        if b is None:
+            b = self._buckets[key] = _Bucket()
+        return b
+
+    def allows(self, n: int) -> bool:
+        """Whether requests draft while ``n`` requests decode."""
+        return self._bucket(n).on
+
+    def observe(self, n: int, tokens: int, counted: bool) -> None:
+        """A step was committed: ``tokens`` output tokens while ``n`` requests decode. ``counted``:
+        a pure decode step that followed another step without an idle pause."""
+        now, last = self.clock(), self._last
+        self._last = now
+        if not counted or last is None or n < 1 or tokens < 1:
+            self._prev = None
+            return
+        b = self._bucket(n)
+        state = (bucket_of(n), b.on)
+        if state != self._prev:
+            self._prev, self._settling = state, self.settle
+        if self._settling > 0:
+            self._settling -= 1
+            return
+        b.steps += 1
+        b.tokens += tokens
+        b.seconds += now - last
+        if b.steps >= self.window:
+            self._close(b)
+
+    def _close(self, b: _Bucket) -> None:
+        """End ``b``'s window: fold its rate in, then choose the next window's mode."""
+        rate = b.tokens / b.seconds if b.seconds > 0 else 0.0
+        old = b.rate.get(b.on)
+        b.rate[b.on] = rate if old is None else 0.5 * old + 0.5 * rate
+        if b.on:
+            self.counters.windows_on += 1
+        else:
+            self.counters.windows_off += 1
+        b.steps, b.tokens, b.seconds = 0, 0, 0.0
+        if (not b.on) not in b.rate:  # the other mode has no rate yet: measure it
+            b.on = not b.on
+            return
+        faster = b.rate[True] > self.margin * b.rate[False]
+        if b.probing:
+            b.probing = False
+            reversed_ = faster == b.on
+            b.probe_every = PROBE_EVERY if reversed_ else min(2 * b.probe_every, self.max_probe_every)
+            b.on = faster
+            b.since_probe = 0
+            return
+        if faster != b.on:
+            b.on, b.since_probe = faster, 0
+            return
+        b.since_probe += 1
+        if b.since_probe >= b.probe_every:
+            b.on, b.probing, b.since_probe = not b.on, True, 0
