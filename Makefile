@@ -20,7 +20,7 @@ run: install models
 	$(BIN)/strata up --model $(TINY) --port $(PORT)
 
 test: install models
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # One tier of the suite each: tests/unit (one piece alone, under a minute), tests/engine (the model, engine and
 # scheduler loop in-process, against transformers), tests/services (real processes, servers, etcd).

@@ -21,10 +21,19 @@ reference's one-sequence decode. A prefill chunk keeps MKL: its logits are then 
 transformers computes for the same chunk, which the hybrid model's tests rely on (a 7-token
 chunk moved 1.8e-4 from transformers' logits through the kernel; the bar is 1e-4). Everything else
 (other row counts, half precision, a GPU, no C compiler, autograd) keeps ``F.linear``.
+
+Only where the build has AVX-512 (``pays``): the kernel keeps 24 16-lane accumulators and 4
+operands in registers, which AVX-512's 32 hold and AVX2's 16 do not. On an AVX2-only EPYC (2
+threads, the same 56 matrices, warm) it spilled and lost to MKL, ms per pass:
+
+    M            1     2     4     8
+    F.linear  10.4  17.5  16.7  14.3
+    skinny    10.5  17.4  21.6  36.1
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -52,6 +61,13 @@ def few_rows(on: bool) -> Iterator[None]:
         _scope.on = before
 
 
+@functools.cache
+def pays() -> bool:
+    """Whether this machine's build of the kernel keeps its accumulators in registers (AVX-512)."""
+    lib = load()
+    return lib is not None and bool(lib.strata_skinny_linear_pays())
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [..., K]``, ``weight [N, K]``."""
     if getattr(_scope, "on", False) and not torch.is_grad_enabled():
@@ -59,6 +75,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         rows = x.numel() // k if k else 0
         if (
             rows in ROWS
+            and pays()
             and x.dtype == torch.float32
             and x.device.type == "cpu"
             and usable(weight, *(() if bias is None else (bias,)))

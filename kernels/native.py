@@ -126,6 +126,8 @@ def load() -> ctypes.CDLL | None:
             getattr(lib, name).restype = None
         lib.strata_skinny_linear_f32.argtypes = [ptr] * 4 + [i64] * 3
         lib.strata_skinny_linear_f32.restype = ctypes.c_int
+        lib.strata_skinny_linear_pays.argtypes = []
+        lib.strata_skinny_linear_pays.restype = ctypes.c_int
         _lib = lib
         return lib
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels.linear
-from kernels.linear import ROWS, Linear, few_rows, linear
+from kernels.linear import ROWS, Linear, few_rows, linear, pays
 from kernels.native import load
 from services.common.step import ReqInput, StepRequest
 from tests import sched_harness as h
@@ -53,6 +53,12 @@ def test_rows_outside_the_kernel_are_refused() -> None:
     assert not out.any()
 
 
+def test_it_is_used_only_where_its_registers_fit() -> None:
+    """AVX-512 (32 registers) holds the kernel's accumulators; on AVX2 it spilled and lost to MKL."""
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    assert pays() == ("avx512f" in flags.split())
+
+
 def test_linear_dispatch_agrees_with_torch() -> None:
     """3-D and non-contiguous inputs, every row count around the kernel's range, and the cases
     that must keep ``F.linear`` (grad, fp64) bit for bit."""
@@ -67,7 +73,7 @@ def test_linear_dispatch_agrees_with_torch() -> None:
         assert got.shape == want.shape == (rows, 48)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert torch.equal(outside, want)  # outside few_rows: torch's path, bit for bit
-        if rows not in ROWS:
+        if rows not in ROWS or not pays():
             assert torch.equal(got, want)
     x3 = torch.randn(1, 4, 40, generator=gen)
     with torch.inference_mode(), few_rows(True):
@@ -100,6 +106,7 @@ def test_the_engine_uses_it_for_decodes_and_verify_passes_only(
     lib = load()
     counting = _Counting(lib)
     monkeypatch.setattr(kernels.linear, "load", lambda: counting)
+    monkeypatch.setattr(kernels.linear, "pays", lambda: True)  # the engine's choice, on any machine
     eng = h.engine(tiny_qwen3, kv_cache_bytes=1 << 20, max_rows=8)
     slots = iter(range(1, 1000))
     steps = iter(range(1, 100))
