@@ -124,7 +124,8 @@ def test_compose_tls_overlay_encrypts_every_hop(tmp_path: Path) -> None:
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="Debian's docker-compose is not installed")
 def test_compose_pd_overlay_gives_each_replica_a_role() -> None:
     """compose.pd.yaml on top of compose.yaml: one prefill and one decode replica (issue #31), the
-    rest of each scheduler's command as in the base file, the hierarchical cache on both workers."""
+    rest of each scheduler's command as in the base file, the hierarchical cache on both workers,
+    an outbox on the prefill one's."""
     base, pd = (
         yaml.safe_load(subprocess.run(["docker-compose", *files, "config"], capture_output=True, text=True,
                                       cwd=REPO, check=True).stdout)["services"]
@@ -137,6 +138,10 @@ def test_compose_pd_overlay_gives_each_replica_a_role() -> None:
         assert command[: command.index("--role")] == base[name]["command"], name
     for name in ("worker", "worker-1"):
         assert pd[name]["command"][pd[name]["command"].index("--l3") + 1] == "true"
+    # the direct hand-over: the prefill worker keeps an outbox, the rest of its command as in the base
+    command = pd["worker"]["command"]
+    assert command[: command.index("--outbox-bytes")] == base["worker"]["command"]
+    assert int(command[command.index("--outbox-bytes") + 1]) > 0 and "--outbox-bytes" not in pd["worker-1"]["command"]
 
 
 @pytest.mark.parametrize(

@@ -490,8 +490,14 @@ def test_pd_overlay_runs_one_prefill_and_one_decode_replica_set(rendered: dict[s
     replica = _pod(base, "strata-replica")
     for s in schedulers.values():
         assert [c["name"] for c in s.pod.containers()] == [c["name"] for c in replica.containers()]
-        assert s.pod.spec["containers"][0] == replica.spec["containers"][0]  # the worker, as in the base
+        # the worker as in the base; the prefill one keeps an outbox for the direct hand-over
+        outbox = ["--outbox-bytes", "4GiB"] if s.cfg.role == "prefill" else []
+        base_worker = replica.spec["containers"][0]
+        assert s.pod.spec["containers"][0] == {**base_worker, "args": [*base_worker["args"], *outbox]}
         assert s.container["args"] == [*replica.spec["containers"][1]["args"], "--role", s.cfg.role]
+    prefill_pod = schedulers["strata-replica-prefill"].pod
+    prefill_worker = next(w for w in serves if w.service == "worker" and w.pod is prefill_pod)
+    assert prefill_worker.cfg.outbox_bytes == 4 << 30
 
 
 # Each mutation: (file under deploy/k8s, text there (its first occurrence is replaced), replacement,
