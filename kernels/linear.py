@@ -22,7 +22,17 @@ transformers computes for the same chunk, which the hybrid model's tests rely on
 chunk moved 1.8e-4 from transformers' logits through the kernel; the bar is 1e-4). Everything else
 (other row counts, half precision, a GPU, no C compiler, autograd) keeps ``F.linear``.
 
-Only where the build has AVX-512 (``pays``): the kernel keeps 24 16-lane accumulators and 4
+**Packed weights** (``pack``): oneDNN's copy of a weight in its own blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``, what vLLM's CPU worker multiplies with), used, like
+the kernel, only inside ``few_rows`` (steps of decodes and verify passes), for every row count,
+where the engine has packed the model's weights (``EngineConfig.packed_weights``: by default where
+it measured them faster). On an AVX2-only EPYC (2 threads, the bench model's 57 matrices), ms per
+pass, MKL / packed: 12.0 / 9.3 at M = 1, 18.6 / 9.4 at 2, 21.6 / 11.3 at 4, 19.9 / 13.1 at 8,
+44.6 / 37.3 at 64, 126 / 113 at 256; on an AVX-512 Xeon the packed copies lost at one row (0.79x
+per decode step) and won only from M = 32 (1.1x). The copy doubles the weights' memory; a prefill
+chunk keeps MKL on the plain weight (its rounding, as above).
+
+The skinny kernel only where the build has AVX-512 (``pays``): the kernel keeps 24 16-lane accumulators and 4
 operands in registers, which AVX-512's 32 hold and AVX2's 16 do not. On an AVX2-only EPYC (2
 threads, the same 56 matrices, warm) it spilled and lost to MKL, ms per pass:
 
@@ -34,7 +44,9 @@ threads, the same 56 matrices, warm) it spilled and lost to MKL, ms per pass:
 from __future__ import annotations
 
 import functools
+import statistics
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -71,6 +83,11 @@ def pays() -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [..., K]``, ``weight [N, K]``."""
     if getattr(_scope, "on", False) and not torch.is_grad_enabled():
+        packed = getattr(weight, PACKED, None)
+        if packed is not None and x.dtype == torch.float32:
+            k = x.shape[-1]
+            out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, k).contiguous(), packed, bias, "none", [], "")
+            return out.view(*x.shape[:-1], weight.shape[0])
         k = x.shape[-1]
         rows = x.numel() // k if k else 0
         if (
@@ -95,6 +112,55 @@ def _few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
         weight.shape[0], x.shape[1],
     )  # fmt: skip
     return out
+
+
+PACKED = "strata_packed"  # the attribute of a weight Parameter that holds its oneDNN-packed copy
+
+
+def packable(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
+
+
+def pack(model: nn.Module) -> int:
+    """Give each fp32 CPU weight of ``model``'s ``Linear`` layers a oneDNN-packed copy, which
+    ``linear`` uses inside ``few_rows``; returns the bytes the copies take."""
+    total = 0
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, Linear) and packable(mod.weight) and getattr(mod.weight, PACKED, None) is None:
+                setattr(mod.weight, PACKED, torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach()))
+                total += mod.weight.numel() * mod.weight.element_size()
+    return total
+
+
+def unpack(model: nn.Module) -> None:
+    """Drop the packed copies ``pack`` made."""
+    for mod in model.modules():
+        if isinstance(mod, Linear) and hasattr(mod.weight, PACKED):
+            delattr(mod.weight, PACKED)
+
+
+def packed_timing(model: nn.Module, rows: int = 2, rounds: int = 3) -> tuple[float, float]:
+    """Seconds for one pass over every packed weight of ``model`` at ``rows`` rows (a small
+    decode batch: the weights read from memory once), with MKL on the plain weights and with the
+    packed copies; medians of ``rounds`` alternated passes of each (after one of each to warm up)."""
+    pairs = [(m.weight, getattr(m.weight, PACKED)) for m in model.modules()
+             if isinstance(m, Linear) and getattr(m.weight, PACKED, None) is not None]  # fmt: skip
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w, _ in pairs}
+    times: dict[bool, list[float]] = {False: [], True: []}
+    with torch.inference_mode():
+        for i in range(rounds + 1):
+            for packed in (False, True) if i % 2 == 0 else (True, False):
+                t0 = time.perf_counter()
+                for w, p in pairs:
+                    x = inputs[w.shape[1]]
+                    if packed:
+                        torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                    else:
+                        F.linear(x, w)
+                if i:
+                    times[packed].append(time.perf_counter() - t0)
+    return statistics.median(times[False]), statistics.median(times[True])
 
 
 class Linear(nn.Linear):

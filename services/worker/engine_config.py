@@ -11,6 +11,7 @@ from services.common.step import HOST_PAGE_TOKENS, STATES_PER_ROW
 
 DType = Literal["float32", "bfloat16", "float16"]
 AttentionPath = Literal["cascade", "flat", "reference"]
+PackedWeights = Literal["auto", "on", "off"]
 """``cascade``: prefix-shared attention (requests sharing a slot run attend to it once per group) over
 the fast path; ``flat``: the fast path, every request on its own; ``reference``: the torch reference
 kernels (whole rows gathered token by token, padded to the longest) — the slow path kept for
@@ -62,10 +63,15 @@ class EngineConfig:
     cuda_graph_max_batch: int = 256
     draft_model: str = ""  # speculative decoding: a draft checkpoint with the target's tokenizer
     mtp: bool = False  # speculative decoding: draft with the checkpoint's own MTP head (Qwen3-Next)
+    # CPU, fp32: oneDNN-packed copies of the linear weights for decode steps (kernels/linear.py);
+    # auto = where a pass over them at 2 rows measures >= 10 % faster than MKL.
+    packed_weights: PackedWeights = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.packed_weights not in ("auto", "on", "off"):
+            raise ValueError(f"EngineConfig.packed_weights must be auto, on or off, got {self.packed_weights!r}")
         if self.kv_cache_bytes < 0 or not 0.0 <= self.kv_mem_fraction < 1.0:
             raise ValueError("EngineConfig.kv_cache_bytes must be >= 0 and kv_mem_fraction in [0, 1)")
         for name in ("max_rows", "page_size"):

@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as F
 
 import kernels.linear
-from kernels.linear import ROWS, Linear, few_rows, linear, pays
+from kernels.linear import PACKED, ROWS, Linear, few_rows, linear, pack, packed_timing, pays, unpack
 from kernels.native import load
 from services.common.step import ReqInput, StepRequest
-from tests import sched_harness as h
+from services.worker.engine import Engine, EngineConfig
+from tests.device import TEST_DEVICE
 
 pytestmark = pytest.mark.skipif(load() is None, reason="no C compiler: the native kernels are not built")
 
@@ -87,6 +88,34 @@ def test_linear_dispatch_agrees_with_torch() -> None:
     assert set(dict(layer.named_parameters())) == {"weight", "bias"}  # the checkpoint's names
 
 
+def test_packed_copies_serve_few_rows_steps_only() -> None:
+    """``pack``: each fp32 weight of the model's ``Linear`` layers gets a oneDNN-packed copy, which
+    ``linear`` uses inside ``few_rows`` for any row count (within rounding of ``F.linear``) and
+    never outside it (bit for bit ``F.linear``); ``unpack`` drops them."""
+    gen = torch.Generator().manual_seed(3)
+    model = torch.nn.Sequential(Linear(40, 48), Linear(48, 8, bias=False), torch.nn.Linear(8, 8))
+    added = pack(model)
+    assert added == (48 * 40 + 8 * 48) * 4
+    assert hasattr(model[0].weight, PACKED) and not hasattr(model[2].weight, PACKED)  # torch's own Linear: not ours
+    for rows in (1, 2, 5, 9, 70):
+        x = torch.randn(rows, 3, 40, generator=gen)[:, 1]  # not contiguous
+        with torch.inference_mode():
+            want = F.linear(x, model[0].weight, model[0].bias)
+            with few_rows(True):
+                got = linear(x, model[0].weight, model[0].bias)
+            outside = linear(x, model[0].weight, model[0].bias)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(outside, want)
+    x3 = torch.randn(2, 3, 48, generator=gen)
+    with torch.inference_mode(), few_rows(True):
+        torch.testing.assert_close(linear(x3, model[1].weight), F.linear(x3, model[1].weight), rtol=1e-5, atol=1e-5)
+    mkl, packed = packed_timing(model, rows=2, rounds=1)
+    assert mkl > 0 and packed > 0
+    unpack(model)
+    assert not hasattr(model[0].weight, PACKED) and not hasattr(model[1].weight, PACKED)
+    assert pack(model.double()) == 0  # fp64: not packed
+
+
 class _Counting:
     """The native library, counting calls of the skinny kernel."""
 
@@ -107,7 +136,8 @@ def test_the_engine_uses_it_for_decodes_and_verify_passes_only(
     counting = _Counting(lib)
     monkeypatch.setattr(kernels.linear, "load", lambda: counting)
     monkeypatch.setattr(kernels.linear, "pays", lambda: True)  # the engine's choice, on any machine
-    eng = h.engine(tiny_qwen3, kv_cache_bytes=1 << 20, max_rows=8)
+    # MKL and the kernel, not packed copies (which would take every few-rows step where they pay)
+    eng = Engine(tiny_qwen3, EngineConfig(device=TEST_DEVICE, kv_cache_bytes=1 << 20, max_rows=8, packed_weights="off"))
     slots = iter(range(1, 1000))
     steps = iter(range(1, 100))
 
