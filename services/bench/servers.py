@@ -226,7 +226,10 @@ class ServersBench:
         t0 = time.perf_counter()
         c = self.cfg
         log = self.run_dir / "transformers-serve.log"
-        with self.strata() as stack:
+        # Against vLLM, Strata's KV pool gets vLLM's KV memory (VLLM_CPU_KVCACHE_SPACE): what each
+        # server's cache keeps between requests is then a property of the server, not of its budget.
+        kv = max(c.kv_cache_bytes, c.vllm.kvcache_gib << 30) if c.vllm is not None else 0
+        with self.strata(kv_cache_bytes=kv) as stack:
             if c.transformers:
                 self.say(f"  starting transformers serve (log in {log})")
                 with TransformersServe(c.model, log, c.peer_args) as peer:

@@ -140,7 +140,10 @@ def random_workload(spec: RandomSpec, vocab_size: int, seed: int = 0) -> Workloa
     _check_vocab(vocab_size)
     if not 0.0 < spec.range_ratio <= 1.0:
         raise ValueError(f"range_ratio must be in (0, 1], got {spec.range_ratio}")
-    rng = random.Random(f"random/{seed}")
+    # The shape is in the key: two random workloads of one seed must not share prompt prefixes
+    # (a 512-token prompt whose first 256 tokens were a 256-token workload's first prompt, run
+    # earlier on the same server, was a cache hit where a cold prompt was meant).
+    rng = random.Random(f"random/{spec.input_len}/{spec.count}/{spec.range_ratio}/{seed}")
     lo = max(1, int(spec.input_len * spec.range_ratio))
     convs = tuple(
         (Turn((), _ids(rng, rng.randint(lo, spec.input_len), vocab_size), spec.output_len),) for _ in range(spec.count)
