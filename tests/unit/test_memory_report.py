@@ -38,7 +38,9 @@ def test_frozen_tensors_are_counted_and_a_report_freezes_nothing() -> None:
         alive = weakref.ref(node)
         frozen = gc.get_freeze_count()
         memory_report.report()
-        assert gc.get_freeze_count() == frozen
+        # Never more (a report that froze would add the cycle and the report's own objects); one
+        # fewer happens, when a frozen object left over from earlier tests is freed meanwhile.
+        assert gc.get_freeze_count() <= frozen
         del node
         gc.collect()
         assert alive() is None
