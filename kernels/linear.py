@@ -32,9 +32,10 @@ pass, MKL / packed: 12.0 / 9.3 at M = 1, 18.6 / 9.4 at 2, 21.6 / 11.3 at 4, 19.9
 per decode step) and won only from M = 32 (1.1x). The copy doubles the weights' memory; a prefill
 chunk keeps MKL on the plain weight (its rounding, as above).
 
-The skinny kernel only where the build has AVX-512 (``pays``): the kernel keeps 24 16-lane accumulators and 4
-operands in registers, which AVX-512's 32 hold and AVX2's 16 do not. On an AVX2-only EPYC (2
-threads, the same 56 matrices, warm) it spilled and lost to MKL, ms per pass:
+The skinny kernel runs only where the build has AVX-512 (``pays``): it keeps 24 16-lane
+accumulators and 4 operands in registers, which AVX-512's 32 hold and AVX2's 16 do not. On an
+AVX2-only EPYC (2 threads, the 56 matrices without the LM head, warm) it spilled and lost to MKL,
+ms per pass:
 
     M            1     2     4     8
     F.linear  10.4  17.5  16.7  14.3
@@ -83,12 +84,11 @@ def pays() -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [..., K]``, ``weight [N, K]``."""
     if getattr(_scope, "on", False) and not torch.is_grad_enabled():
+        k = x.shape[-1]
         packed = getattr(weight, PACKED, None)
         if packed is not None and x.dtype == torch.float32:
-            k = x.shape[-1]
             out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, k).contiguous(), packed, bias, "none", [], "")
             return out.view(*x.shape[:-1], weight.shape[0])
-        k = x.shape[-1]
         rows = x.numel() // k if k else 0
         if (
             rows in ROWS
@@ -117,19 +117,18 @@ def _few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 PACKED = "strata_packed"  # the attribute of a weight Parameter that holds its oneDNN-packed copy
 
 
-def packable(weight: torch.Tensor) -> bool:
-    return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
-
-
 def pack(model: nn.Module) -> int:
     """Give each fp32 CPU weight of ``model``'s ``Linear`` layers a oneDNN-packed copy, which
     ``linear`` uses inside ``few_rows``; returns the bytes the copies take."""
     total = 0
     with torch.no_grad():
         for mod in model.modules():
-            if isinstance(mod, Linear) and packable(mod.weight) and getattr(mod.weight, PACKED, None) is None:
-                setattr(mod.weight, PACKED, torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach()))
-                total += mod.weight.numel() * mod.weight.element_size()
+            if not isinstance(mod, Linear) or hasattr(mod.weight, PACKED):
+                continue
+            w = mod.weight
+            if w.dtype == torch.float32 and w.device.type == "cpu":
+                setattr(w, PACKED, torch.ops.mkldnn._reorder_linear_weight(w.detach()))
+                total += w.numel() * w.element_size()
     return total
 
 

@@ -66,8 +66,7 @@ class Pacer:
         self._prev: tuple[int, bool] | None = None  # (bucket, mode) of the previous counted step
         self._settling = 0
 
-    def _bucket(self, n: int) -> _Bucket:
-        key = bucket_of(n)
+    def _bucket(self, key: int) -> _Bucket:
         b = self._buckets.get(key)
         if b is None:
             b = self._buckets[key] = _Bucket()
@@ -75,7 +74,7 @@ class Pacer:
 
     def allows(self, n: int) -> bool:
         """Whether requests draft while ``n`` requests decode."""
-        return self._bucket(n).on
+        return self._bucket(bucket_of(n)).on
 
     def observe(self, n: int, tokens: int, counted: bool) -> None:
         """A step was committed: ``tokens`` output tokens while ``n`` requests decode. ``counted``:
@@ -85,8 +84,9 @@ class Pacer:
         if not counted or last is None or n < 1 or tokens < 1:
             self._prev = None
             return
-        b = self._bucket(n)
-        state = (bucket_of(n), b.on)
+        key = bucket_of(n)
+        b = self._bucket(key)
+        state = (key, b.on)
         if state != self._prev:
             self._prev, self._settling = state, self.settle
         if self._settling > 0:

@@ -141,6 +141,8 @@ class Engine:
             return
         model = cast(torch.nn.Module, self.model)
         added = pack(model)
+        if not added:  # no fp32 linear layer of ours: nothing to choose between
+            return
         how = "on"
         if mode == "auto":
             mkl, packed = packed_timing(model)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -11,11 +11,11 @@ from services.common.step import HOST_PAGE_TOKENS, STATES_PER_ROW
 
 DType = Literal["float32", "bfloat16", "float16"]
 AttentionPath = Literal["cascade", "flat", "reference"]
-PackedWeights = Literal["auto", "on", "off"]
 """``cascade``: prefix-shared attention (requests sharing a slot run attend to it once per group) over
 the fast path; ``flat``: the fast path, every request on its own; ``reference``: the torch reference
 kernels (whole rows gathered token by token, padded to the longest) — the slow path kept for
 comparison and as the truth the others are tested against."""
+PackedWeights = Literal["auto", "on", "off"]
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -70,7 +70,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.packed_weights not in ("auto", "on", "off"):
+        if self.packed_weights not in get_args(PackedWeights):
             raise ValueError(f"EngineConfig.packed_weights must be auto, on or off, got {self.packed_weights!r}")
         if self.kv_cache_bytes < 0 or not 0.0 <= self.kv_mem_fraction < 1.0:
             raise ValueError("EngineConfig.kv_cache_bytes must be >= 0 and kv_mem_fraction in [0, 1)")
