@@ -45,6 +45,7 @@ class Plan:
     drafts: list[int] = field(default_factory=list)  # per sampled request, its draft tokens (0: none)
     forks: list[tuple[Req, Fork]] = field(default_factory=list)  # checkpoints to insert on commit
     scored: list[tuple[Req, int]] = field(default_factory=list)  # chunks scoring their prompt: (req, start)
+    decoding: int = 0  # requests decoding when it was planned, those waiting to draft included (the pacer's batch)
 
 
 # Waiting for a sibling is only worth it when it saves at least this many tokens of prefill.
@@ -139,7 +140,7 @@ class Batcher:
             return None
         self.step_id += 1
         step = StepRequest(self.step_id, ops=ops, reqs=[])
-        plan = Plan(step, [])
+        plan = Plan(step, [], decoding=self.spec.decoding if self.spec is not None else 0)
         decoding = set(map(id, decodes))
         for req, n in inputs:
             if id(req) not in decoding:  # a prefill chunk: its tokens go into the tree on commit

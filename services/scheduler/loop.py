@@ -339,7 +339,8 @@ class SchedulerLoop:
             if not from_idle:
                 self.counters.worker_idle_s += result.idle_s
             if batcher.spec is not None:
-                batcher.spec.observe(len(result.outputs), counted=not from_idle and not done.prefill_tokens)
+                counted = not from_idle and not done.prefill_tokens
+                batcher.spec.observe(done.decoding, len(result.outputs), counted)
             from_idle = False
             self.counters.worker_busy_s += result.forward_s + result.sample_s
             if self.metrics is not None:

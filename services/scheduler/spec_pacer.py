@@ -18,9 +18,12 @@ before: ``settle``) are not counted.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 PROBE_EVERY = 4  # windows in the faster mode before the slower one is tried again, at first
 
@@ -103,6 +106,9 @@ class Pacer:
         rate = b.tokens / b.seconds if b.seconds > 0 else 0.0
         old = b.rate.get(b.on)
         b.rate[b.on] = rate if old is None else 0.5 * old + 0.5 * rate
+        log.debug("pacer: a window with drafting %s: %d tokens in %d steps, %.1f ms: %.0f tokens/s (mean %.0f, "
+                  "other %s)", "on" if b.on else "off", b.tokens, b.steps, 1e3 * b.seconds, rate, b.rate[b.on],
+                  f"{b.rate[not b.on]:.0f}" if (not b.on) in b.rate else "-")  # fmt: skip
         if b.on:
             self.counters.windows_on += 1
         else:

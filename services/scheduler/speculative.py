@@ -122,11 +122,14 @@ class Speculator:
         return (decoding <= self.cfg.max_batch and (self.pacer is None or self.pacer.allows(decoding))
                 and not req.spec_wait and (req.grammar is None or not self.worker_drafts))  # fmt: skip
 
-    def observe(self, tokens: int, counted: bool) -> None:
-        """A step was committed with ``tokens`` output tokens (``counted``: a pure decode step that
-        followed another step without an idle pause): the pacer's measurement."""
+    def observe(self, decoding: int, tokens: int, counted: bool) -> None:
+        """A step planned while ``decoding`` requests decoded was committed with ``tokens`` output
+        tokens (``counted``: a pure decode step that followed another step without an idle pause):
+        the pacer's measurement. The batch size comes from the step's plan: with overlap, the
+        batcher has planned the next step by the time this one commits, and a request waiting to
+        verify is not counted in that one."""
         if self.pacer is not None:
-            self.pacer.observe(self.decoding, tokens, counted)
+            self.pacer.observe(decoding, tokens, counted)
 
     def drafting(self, req: Req, decoding: int) -> bool:
         """Whether ``req`` drafts while ``decoding`` requests decode: then it is planned only once

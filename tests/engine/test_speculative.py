@@ -178,13 +178,25 @@ def test_constrained_drafts_are_masked_and_rolled_back(tiny_qwen3: Path, dense: 
 def test_the_pacer_measures_both_modes_and_output_is_unchanged(tiny_qwen3: Path, dense: h.Engine) -> None:
     """The default (``adaptive``): a long looping answer at batch 1; the pacer measures windows
     with drafting on and off (whichever it then keeps on this machine), and the answer equals
-    transformers."""
+    transformers. Verify steps count at the batch size they were planned at (with overlap the
+    next plan, made before they commit, leaves out the request waiting to verify)."""
     prompt = _repetitive(dense.info.vocab_size, seed=5)[0][:30]
     want = hf_greedy(tiny_qwen3, prompt, 160, stop_at_eos=False)
-    outs, loop = h.run(dense, [h.Spec(prompt, 160)], LoopConfig(spec=SpecConfig("ngram", num_draft_tokens=4)))
+    seen: list[tuple[int, int, bool]] = []  # what the pacer was told: (batch, tokens, counted)
+
+    def attach(loop: SchedulerLoop) -> None:
+        assert loop.batcher is not None and loop.batcher.spec is not None and loop.batcher.spec.pacer is not None
+        pacer = loop.batcher.spec.pacer
+        told = pacer.observe
+        pacer.observe = lambda n, tokens, counted: (seen.append((n, tokens, counted)), told(n, tokens, counted))[1]
+
+    outs, loop = h.run(dense, [h.Spec(prompt, 160)], LoopConfig(spec=SpecConfig("ngram", num_draft_tokens=4)),
+                       setup=attach)  # fmt: skip
     assert outs[0].ids == want
     assert loop.batcher is not None and loop.batcher.spec is not None and loop.batcher.spec.pacer is not None
     pc = loop.batcher.spec.pacer.counters
     assert pc.windows_on >= 1 and pc.windows_off >= 1, pc
+    assert any(counted and n == 1 and tokens > 1 for n, tokens, counted in seen), "no verify step was measured"
+    assert all(n == 1 for n, _, counted in seen if counted), seen
     assert loop.batcher.spec.counters.verify_steps > 0
     _check_books(loop)
