@@ -13,12 +13,17 @@ cost, the overlap it gives up and the tokens it keeps all count). Drafting stays
 mode; the slower one is tried again for one window after 4 windows, then 8, ... up to
 ``max_probe_every`` while it stays slower (back to 4 when a try reverses the choice). Steps with a
 prefill, after an idle pause, or just after the mode or the bucket changed (their step was planned
-before: ``settle``) are not counted.
+before: ``settle``) are not counted, nor is a *stall*: a step over ``stall`` (20) times its
+window's median (a first-call compile, a page-in, a pause of the process). A stall is no cost of
+the mode, and a rate that kept it would keep the mode it hit off for many windows: on an H100 the
+first verify steps of a stack took 1.5 s for 16 steps (Triton compiling their shapes) against
+~0.1 s later.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,9 +40,7 @@ class _Bucket:
     probing: bool = False  # this window tries the mode that was slower
     probe_every: int = PROBE_EVERY
     since_probe: int = 0
-    steps: int = 0  # the open window
-    tokens: int = 0
-    seconds: float = 0.0
+    window: list[tuple[float, int]] = field(default_factory=list)  # the open window: (seconds, tokens) per step
 
 
 @dataclass(slots=True)
@@ -55,13 +58,16 @@ class Pacer:
     """Drafting on or off per batch-size bucket, from measured token rates (see the module doc)."""
 
     def __init__(self, window: int = 16, settle: int = 2, margin: float = 1.02, max_probe_every: int = 64,
-                 clock: Callable[[], float] = time.perf_counter) -> None:  # fmt: skip
+                 stall: float = 20.0, clock: Callable[[], float] = time.perf_counter) -> None:  # fmt: skip
         """``margin``: drafting must be this much faster to stay on (ties go to plain decode, which
-        keeps overlap and costs no drafting time)."""
-        if window < 1 or settle < 0 or margin < 1.0 or max_probe_every < PROBE_EVERY:
+        keeps overlap and costs no drafting time). ``stall``: a step this many times its window's
+        median is left out: far above what a verify step costs against a decode (1.4x on 2 CPU
+        cores, ~3-8x a graphed decode on an H100)."""
+        if window < 1 or settle < 0 or margin < 1.0 or max_probe_every < PROBE_EVERY or stall <= 1.0:
             raise ValueError(f"pacer: window {window}, settle {settle}, margin {margin}, "
-                             f"max_probe_every {max_probe_every} out of range")  # fmt: skip
+                             f"max_probe_every {max_probe_every}, stall {stall} out of range")  # fmt: skip
         self.window, self.settle, self.margin, self.max_probe_every = window, settle, margin, max_probe_every
+        self.stall = stall
         self.clock = clock
         self.counters = PacerCounters()
         self._buckets: dict[int, _Bucket] = {}
@@ -95,25 +101,27 @@ class Pacer:
         if self._settling > 0:
             self._settling -= 1
             return
-        b.steps += 1
-        b.tokens += tokens
-        b.seconds += now - last
-        if b.steps >= self.window:
+        b.window.append((now - last, tokens))
+        if len(b.window) >= self.window:
             self._close(b)
 
     def _close(self, b: _Bucket) -> None:
         """End ``b``'s window: fold its rate in, then choose the next window's mode."""
-        rate = b.tokens / b.seconds if b.seconds > 0 else 0.0
+        limit = self.stall * statistics.median(t for t, _ in b.window)
+        kept = [(t, n) for t, n in b.window if t <= limit]
+        seconds, tokens = sum(t for t, _ in kept), sum(n for _, n in kept)
+        rate = tokens / seconds if seconds > 0 else 0.0
         old = b.rate.get(b.on)
         b.rate[b.on] = rate if old is None else 0.5 * old + 0.5 * rate
-        log.debug("pacer: a window with drafting %s: %d tokens in %d steps, %.1f ms: %.0f tokens/s (mean %.0f, "
-                  "other %s)", "on" if b.on else "off", b.tokens, b.steps, 1e3 * b.seconds, rate, b.rate[b.on],
+        log.debug("pacer: a window with drafting %s: %d tokens in %d steps (%d stalls left out), %.1f ms: "
+                  "%.0f tokens/s (mean %.0f, other %s)", "on" if b.on else "off", tokens, len(kept),
+                  len(b.window) - len(kept), 1e3 * seconds, rate, b.rate[b.on],
                   f"{b.rate[not b.on]:.0f}" if (not b.on) in b.rate else "-")  # fmt: skip
         if b.on:
             self.counters.windows_on += 1
         else:
             self.counters.windows_off += 1
-        b.steps, b.tokens, b.seconds = 0, 0, 0.0
+        b.window.clear()
         if (not b.on) not in b.rate:  # the other mode has no rate yet: measure it
             b.on = not b.on
             return

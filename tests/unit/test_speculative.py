@@ -291,6 +291,20 @@ def test_pacer_counts_only_pure_decode_steps_that_follow_a_step() -> None:
     assert [bucket_of(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [0, 1, 2, 2, 3, 3, 4]
 
 
+def test_pacer_leaves_out_a_stall() -> None:
+    """A step far over its window's median (a first-call compile) is no cost of the mode: the
+    window's rate is the other steps'. A verify step a few times a decode's stays in."""
+    clock = _Clock()
+    pacer = Pacer(window=4, settle=0, clock=clock)
+    pacer.observe(1, 1, counted=True)  # the first commit: no interval yet
+    for seconds, tokens in ((0.02, 3), (1.5, 3), (0.02, 3), (0.1, 4)):
+        clock.now += seconds
+        pacer.observe(1, tokens, counted=True)
+    assert pacer._buckets[0].rate[True] == pytest.approx(10 / 0.14)
+    with pytest.raises(ValueError, match=r"stall 1\.0"):
+        Pacer(stall=1.0)
+
+
 def test_speculator_drafts_only_where_the_pacer_allows() -> None:
     spec = Speculator(SpecConfig("ngram", num_draft_tokens=2, max_batch=8), context_length=64)
     assert spec.pacer is not None and SpecConfig().adaptive
