@@ -37,14 +37,16 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
-import xgrammar as xgr
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from services.common.errors import InvalidArgument
 from services.common.json_grammar import JSON_MAX_WHITESPACE, valid_json_strings
+
+if TYPE_CHECKING:  # xgrammar loads torch and transformers (~3.5 s on 2 cores): at the first grammar
+    import xgrammar as xgr  # (``GrammarService``), not at every scheduler's start
+    from transformers import PreTrainedTokenizerBase
 
 ConstraintKind = Literal["json_schema", "regex", "ebnf"]
 COMPILE_THREADS = 2  # grammar compiles at once; more wait in the pool's queue
@@ -106,6 +108,8 @@ class Matcher:
     __slots__ = ("_accepted", "_base", "_buf", "_matcher", "_vocab_size")
 
     def __init__(self, grammar: xgr.CompiledGrammar, base: np.ndarray) -> None:
+        import xgrammar as xgr
+
         self._matcher = xgr.GrammarMatcher(grammar)
         self._base = base  # shared and read-only, one per service
         self._vocab_size = base.shape[1] * 32
@@ -259,6 +263,9 @@ class GrammarService:
         stops = None if stop_token_ids is None else sorted(set(stop_token_ids))
         if stops is not None and (not stops or stops[0] < 0 or stops[-1] >= vocab_size):
             raise ValueError(f"stop_token_ids must be non-empty ids in [0, {vocab_size}), got {stops}")
+        import xgrammar as xgr
+        from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
         if not isinstance(tokenizer, PreTrainedTokenizerBase):
             tokenizer = AutoTokenizer.from_pretrained(os.fspath(tokenizer))
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
@@ -389,6 +396,8 @@ def _bit(words: np.ndarray, token_id: int) -> bool:
 def _json_schema_ebnf(schema: str) -> str:
     """The EBNF of ``schema`` (any whitespace, at most ``JSON_MAX_WHITESPACE`` per gap; strict:
     no properties or items beyond the schema), with length-bounded strings made valid JSON."""
+    import xgrammar as xgr
+
     grammar = xgr.Grammar.from_json_schema(
         schema, any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE, strict_mode=True
     )
