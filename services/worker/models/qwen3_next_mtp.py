@@ -114,13 +114,13 @@ class Qwen3NextMtp(nn.Module):
 def load_mtp(model_dir: Path | str, target: nn.Module, dtype: torch.dtype, device: torch.device) -> Qwen3NextMtp:
     """Build the MTP head of ``target`` (the loaded Qwen3-Next of ``model_dir``) and fill it from
     the checkpoint's ``mtp.*`` tensors, strictly (a missing or extra one is a ``LoadError``)."""
-    from services.worker.loader import LoadError, fill_module, read_config, read_tensors
+    from services.worker.loader import LoadError, fill_module, read_config, read_tensors, skeleton
 
     model_dir = Path(model_dir)
     if (problem := mtp_problem(model_dir)) is not None:
         raise LoadError(f"speculative MTP: {problem}")
     assert isinstance(target, Qwen3NextForCausalLM)  # mtp_problem checked the architecture
-    with torch.device("meta"):
+    with skeleton():
         head = Qwen3NextMtp(read_config(model_dir), target)
     tensors = read_tensors(model_dir, dtype, keep=lambda n: n.startswith(PREFIX))
     fill_module(head, {n[len(PREFIX) :]: t for n, t in tensors.items()}, device)
