@@ -21,15 +21,15 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
+
+import xgrammar as xgr
+from xgrammar import structural_tag as st
 
 from services.common.errors import InvalidArgument
 from services.common.json_grammar import JSON_MAX_WHITESPACE, valid_json_strings
 from services.tokenizer.reasoning import THINK_CLOSE, THINK_OPEN
 from services.tokenizer.tool_parsers import ToolFormat
-
-if TYPE_CHECKING:  # xgrammar loads torch (~2 s on 2 cores): at the first tool-call grammar, not at start
-    from xgrammar import structural_tag as st
 
 ReasoningPrefix = Literal["none", "optional", "open"]
 NO_PARAMETERS = '{"type": "object", "properties": {}}'  # a tool without parameters takes {}
@@ -77,9 +77,6 @@ def tool_call_grammar(
 @lru_cache(maxsize=GRAMMAR_CACHE)
 def _grammar(tools: tuple[ToolSpec, ...], fmt: ToolFormat, single: bool, parallel: bool,
              reasoning: ReasoningPrefix) -> str:  # fmt: skip
-    import xgrammar as xgr
-    from xgrammar import structural_tag as st
-
     tags: list[Any] = [_call_tag(t, fmt) for t in tools]
     calls: Any
     if single or (len(tags) == 1 and not parallel):
@@ -101,8 +98,6 @@ def _grammar(tools: tuple[ToolSpec, ...], fmt: ToolFormat, single: bool, paralle
 
 
 def _call_tag(tool: ToolSpec, fmt: ToolFormat) -> st.TagFormat:
-    from xgrammar import structural_tag as st
-
     schema: dict[str, Any] = json.loads(tool.parameters or NO_PARAMETERS)
     if fmt == "hermes":
         return st.TagFormat(
