@@ -53,7 +53,7 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
         self.l3 = l3
         self._tokenizer_dir = tokenizer_dir
         self._grammar_cache = grammar_cache
-        self._grammars: GrammarService | None = None
+        self._grammars: asyncio.Future[GrammarService] | None = None  # built once, by the first grammar
 
     async def _matcher(self, c: spb.Constraint) -> Matcher | None:
         """Compile (cached, off the event loop) before the request takes any slot; a bad grammar
@@ -65,15 +65,19 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
             raise FailedPrecondition("constraint: this scheduler was started without --tokenizer")
         info = self.loop.info
         assert info is not None
-        if self._grammars is None:
-            self._grammars = await asyncio.to_thread(
-                GrammarService,
-                self._tokenizer_dir,
-                info.vocab_size,
-                stop_token_ids=list(info.eos_token_ids),
+        if self._grammars is None:  # requests that arrive while it is built wait for the same one
+            self._grammars = asyncio.ensure_future(asyncio.to_thread(
+                GrammarService, self._tokenizer_dir, info.vocab_size, stop_token_ids=list(info.eos_token_ids),
                 cache_size=self._grammar_cache,
-            )
-        compiled = await self._grammars.compile(Constraint(kind, getattr(c, kind)))
+            ))  # fmt: skip
+        building = self._grammars
+        try:
+            grammars = await asyncio.shield(building)  # a waiter that leaves does not cancel the build
+        except Exception:
+            if self._grammars is building:  # a failed build is tried again by the next grammar
+                self._grammars = None
+            raise
+        compiled = await grammars.compile(Constraint(kind, getattr(c, kind)))
         return compiled.matcher()
 
     async def _admit(self, request: spb.GenerateRequest, trace_context: dict[str, str], session: bool = False) -> Req:

@@ -1,0 +1,63 @@
+"""The scheduler builds its grammar service once, whoever asks first and however many ask at once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import pytest
+
+from services.scheduler import server
+from services.scheduler.server import SchedulerServicer
+from strata.scheduler.v1 import scheduler_pb2 as spb
+
+
+class _Service:
+    """Stands in for ``GrammarService``: slow to build (the real one loads xgrammar, torch and the
+    tokenizer), failing the builds listed in ``fail``."""
+
+    built: ClassVar[list[int]] = []
+    fail: ClassVar[set[int]] = set()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        n = len(_Service.built)
+        _Service.built.append(n)
+        time.sleep(0.2)
+        if n in _Service.fail:
+            raise RuntimeError(f"build {n} failed")
+
+    async def compile(self, constraint: Any) -> Any:
+        return SimpleNamespace(matcher=lambda: constraint)
+
+
+def _servicer(monkeypatch: pytest.MonkeyPatch, fail: set[int]) -> SchedulerServicer:
+    _Service.built, _Service.fail = [], fail
+    monkeypatch.setattr(server, "GrammarService", _Service)
+    loop = SimpleNamespace(info=SimpleNamespace(vocab_size=100, eos_token_ids=[2]))
+    return SchedulerServicer(loop, tokenizer_dir="unused")  # type: ignore[arg-type]
+
+
+def test_grammars_arriving_together_build_the_service_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = _servicer(monkeypatch, fail=set())
+
+    async def main() -> list[Any]:
+        return await asyncio.gather(*(s._matcher(spb.Constraint(regex=f"a{{{i}}}")) for i in range(8)))
+
+    got = asyncio.run(main())
+    assert _Service.built == [0]
+    assert [m.text for m in got] == [f"a{{{i}}}" for i in range(8)]
+
+
+def test_a_failed_build_fails_its_waiters_and_the_next_grammar_builds_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = _servicer(monkeypatch, fail={0})
+
+    async def main() -> tuple[list[Any], Any]:
+        first = await asyncio.gather(*(s._matcher(spb.Constraint(regex="a+")) for _ in range(3)),
+                                     return_exceptions=True)  # fmt: skip
+        return first, await s._matcher(spb.Constraint(regex="b+"))
+
+    first, later = asyncio.run(main())
+    assert all(isinstance(e, RuntimeError) and "build 0" in str(e) for e in first)
+    assert _Service.built == [0, 1] and later.text == "b+"
