@@ -119,7 +119,7 @@ class Batcher:
             self.resize_ops += self.elastic.before_plan(list(self.waiting), busy)
         inputs: list[tuple[Req, int]] = []  # (req, number of new tokens)
         self._drafts.clear()
-        decodes = self._schedule_decodes(inputs)
+        decodes, batch = self._schedule_decodes(inputs)
         budget = self.limits.max_prefill_tokens
         for req in self.running:
             if _prefilling(req) and budget > 0:
@@ -140,7 +140,7 @@ class Batcher:
             return None
         self.step_id += 1
         step = StepRequest(self.step_id, ops=ops, reqs=[])
-        plan = Plan(step, [], decoding=self.spec.decoding if self.spec is not None else 0)
+        plan = Plan(step, [], decoding=batch)
         decoding = set(map(id, decodes))
         for req, n in inputs:
             if id(req) not in decoding:  # a prefill chunk: its tokens go into the tree on commit
@@ -160,13 +160,13 @@ class Batcher:
                 plan.drafts.append(ri.num_draft)
         return plan
 
-    def _schedule_decodes(self, inputs: list[tuple[Req, int]]) -> list[Req]:
+    def _schedule_decodes(self, inputs: list[tuple[Req, int]]) -> tuple[list[Req], int]:
         """One token for each decoding request (retracting the newest when memory is short);
-        returns the requests scheduled to decode."""
+        returns the requests scheduled to decode, and how many were decoding (those waiting for a
+        token in flight before they draft included: speculation's batch size)."""
         decodes = [r for r in self.running if _decoding(r) and self._may_decode(r)]
         n = len(decodes)  # the batch size, for speculation's limits
         if self.spec is not None:  # a request that drafts waits for its token in flight first
-            self.spec.decoding = n
             decodes = [r for r in decodes if not (r.inflight and self.spec.drafting(r, n))]
         i = 0
         while i < len(decodes):
@@ -190,7 +190,7 @@ class Batcher:
                 if j < i:
                     i -= 1
                     inputs[:] = [(r, n) for r, n in inputs if r is not victim]
-        return [r for r, _ in inputs]  # only decodes were added so far
+        return [r for r, _ in inputs], n  # only decodes were added so far
 
     def _may_decode(self, req: Req) -> bool:
         """Another token may be planned now (counting the ones still in flight)."""

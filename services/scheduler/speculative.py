@@ -114,7 +114,6 @@ class Speculator:
                 lambda req, k: ngram_draft(req.seq, k, cfg.ngram_min, cfg.ngram_max))
         self.drafter: Drafter = drafter
         self.pacer = Pacer() if cfg.adaptive else None
-        self.decoding = 0  # requests decoding in the latest planned step (the batcher sets it)
 
     def _eligible(self, req: Req, decoding: int) -> bool:
         """Not over the batch limit, at a batch size where drafting pays, not backing off, and not
