@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from services.common.etcd_proc import EtcdError, EtcdProcess, die_with_parent, free_port
+from services.common.etcd_proc import EtcdError, EtcdProcess, free_port, tied
 from services.common.tls import TlsFiles
 
 ETCD = "etcd"  # the name etcd goes by among the restarts
@@ -49,9 +49,9 @@ class Child:
     def start(self, env: dict[str, str]) -> None:
         self._offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child process
+        argv, preexec = tied(self.argv)
         self.proc = subprocess.Popen(
-            self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            preexec_fn=die_with_parent,
+            argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=preexec
         )
         log.close()
 

@@ -20,7 +20,7 @@ from typing import IO
 
 import psutil
 
-from services.common.etcd_proc import die_with_parent
+from services.common.etcd_proc import tied
 
 _LOG_TAIL_BYTES = 4000
 
@@ -49,9 +49,10 @@ class PeerProcess:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = self.log.open("wb")
         t0 = time.monotonic()
+        argv, preexec = tied(self.command)
         self.proc = subprocess.Popen(
-            self.command, stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}, preexec_fn=die_with_parent,
+            argv, stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}, preexec_fn=preexec,
         )  # fmt: skip
         while time.monotonic() - t0 < self._timeout:
             if self.proc.poll() is not None:

@@ -20,6 +20,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
@@ -35,9 +36,24 @@ _LOG_TAIL_BYTES = 4000
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
+def tied(argv: list[str]) -> tuple[list[str], Callable[[], None] | None]:
+    """``(argv, preexec_fn)`` for a ``Popen`` whose process gets SIGTERM when the thread that
+    starts it ends, so services started by ``strata up`` end with it even when it is SIGKILLed.
+
+    util-linux's ``setpriv --pdeathsig`` sets that signal and execs ``argv``, so no Python runs
+    between fork and exec and ``subprocess`` can use vfork: a plain fork in a process with gRPC
+    channels ran gRPC's fork handlers in the child, whose restarted poller thread aborted
+    ("epoll_wait error: Bad file descriptor") when the child closed its inherited descriptors.
+    Without ``setpriv``, ``die_with_parent`` runs between fork and exec as before."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return argv, die_with_parent
+    return [setpriv, "--pdeathsig", "TERM", "--", *argv], None
+
+
 def die_with_parent() -> None:
-    """In a child between fork and exec: ask Linux to SIGTERM it when its parent dies, so services
-    started by ``strata up`` end with it even when it is SIGKILLed (no-op where prctl is absent)."""
+    """In a child between fork and exec: ask Linux to SIGTERM it when its parent dies (no-op where
+    prctl is absent). ``tied`` does it without Python in the child where it can."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -97,7 +113,7 @@ class EtcdProcess:
         tied: bool = False,
         tls: TlsFiles | None = None,
     ) -> None:
-        """``tied``: etcd gets SIGTERM when the thread that starts it exits (``die_with_parent``);
+        """``tied``: etcd gets SIGTERM when the thread that starts it exits (``tied``);
         for ``strata up``, whose main thread lives as long as the stack. ``tls``: serve clients
         over TLS with this certificate, requiring client certificates signed by its CA (the
         endpoint is then ``https://``)."""
@@ -150,14 +166,15 @@ class EtcdProcess:
         binary = find_etcd_binary()
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = self.log_path.open("ab")
+        argv, preexec = tied(self._command(binary)) if self.tied else (self._command(binary), None)
         self._proc = subprocess.Popen(
-            self._command(binary),
+            argv,
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             # Own process group: a Ctrl-C aimed at `strata up` is handled by us, which stops etcd last.
             start_new_session=True,
-            preexec_fn=die_with_parent if self.tied else None,
+            preexec_fn=preexec,
         )
         log.info("etcd starting endpoint=%s data_dir=%s", self.endpoint, self.data_dir)
         deadline = time.monotonic() + timeout
