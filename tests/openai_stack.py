@@ -1,8 +1,8 @@
 """One stack serving the OpenAI-compatible API, shared by the HTTP API's test modules
 (``tests/services/test_openai_api.py``, ``test_openai_tools.py``): starting a stack costs seconds.
 
-It starts with the first module that asks for ``openai_stack`` and stops with the last one in the
-run that does (so it does not idle through the modules after it). Its tokenizer runs with API
+It is one of ``tests/shared_stacks.py``'s: it starts with the first module that asks for
+``openai_stack`` and stops after the last one in the run that does. Its tokenizer runs with API
 keys, a served model name, ``--tool-call-parser hermes`` and ``--reasoning-parser qwen3``; tests
 that need a stack of their own configuration start one.
 """
@@ -21,45 +21,28 @@ import pytest
 
 from services.common.etcd_proc import free_port
 from services.supervisor import Stack, start_stack
+from tests.shared_stacks import shared_stack
 
 KEY = "sk-test-strata"
 MODEL = "qwen3-tiny"
 
 
-class _Shared:
-    stack: Stack | None = None
-
-
-@pytest.fixture(scope="session")
-def _openai_shared() -> Iterator[_Shared]:
-    shared = _Shared()
-    yield shared
-    if shared.stack is not None:  # the run stopped early (-x, ^C)
-        shared.stack.stop()
-
-
 @pytest.fixture(scope="module")
 def openai_stack(
-    request: pytest.FixtureRequest, tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory, _openai_shared: _Shared
-) -> Iterator[Stack]:
-    if _openai_shared.stack is None:
-        _openai_shared.stack = start_stack(
-            tiny_qwen3,
-            free_port(),
-            tmp_path_factory.mktemp("openai"),
-            http_port=free_port(),
-            tokenizer_args=(
-                "--api-key", f"other-key,{KEY}", "--model-name", MODEL,
-                "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
-            ),
-            say=lambda _: None,
-        )  # fmt: skip
-    yield _openai_shared.stack
-    items = request.session.items
-    last = max(i for i, item in enumerate(items) if getattr(item, "module", None) is request.module)
-    if not any("openai_stack" in getattr(item, "fixturenames", ()) for item in items[last + 1 :]):
-        _openai_shared.stack.stop()
-        _openai_shared.stack = None
+    request: pytest.FixtureRequest, tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory,
+    _shared_stacks: dict[str, Stack],
+) -> Iterator[Stack]:  # fmt: skip
+    yield from shared_stack(request, _shared_stacks, lambda: start_stack(
+        tiny_qwen3,
+        free_port(),
+        tmp_path_factory.mktemp("openai"),
+        http_port=free_port(),
+        tokenizer_args=(
+            "--api-key", f"other-key,{KEY}", "--model-name", MODEL,
+            "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+        ),
+        say=lambda _: None,
+    ))  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -1,3 +1,4 @@
 """Fixtures shared by the service tests."""
 
-from tests.openai_stack import _openai_shared, openai_base, openai_client, openai_stack  # noqa: F401
+from tests.openai_stack import openai_base, openai_client, openai_stack  # noqa: F401
+from tests.shared_stacks import _shared_stacks, plain_stack  # noqa: F401

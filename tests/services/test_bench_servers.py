@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,8 +17,7 @@ from services.bench.metrics import RequestRecord, summarize
 from services.bench.openai_backend import OpenAIBackend, spread
 from services.bench.runner import replay
 from services.bench.workloads import RandomSpec, SharedPrefixSpec, Workload, random_workload, shared_prefix_workload
-from services.common.etcd_proc import free_port
-from services.supervisor import Stack, start_stack
+from services.supervisor import Stack
 
 VOCAB = 768  # the tiny checkpoints'
 STRATA_NO_EOS = {"ignore_eos": True}
@@ -38,11 +36,8 @@ def test_spread_counts_every_token_once() -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = start_stack(tiny_qwen3, free_port(), tmp_path_factory.mktemp("servers"), http_port=free_port(),
-                    say=lambda _: None)  # fmt: skip
-    yield s
-    s.stop()
+def stack(plain_stack: Stack) -> Stack:  # tests/shared_stacks.py
+    return plain_stack
 
 
 def _base(stack: Stack) -> str:

@@ -54,10 +54,8 @@ def _members(endpoint: str, kind: str) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = start_stack(tiny_qwen3, free_port(), tmp_path_factory.mktemp("faults"), **QUIET)
-    yield s
-    s.stop()
+def stack(plain_stack: Stack) -> Stack:  # tests/shared_stacks.py
+    return plain_stack
 
 
 @pytest.fixture(scope="module")

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.common.etcd_proc import free_port
-from services.supervisor import Stack, start_stack
+from services.supervisor import Stack
 from strata.v1 import strata_pb2 as pb
 from strata.v1 import strata_pb2_grpc as pgrpc
 
@@ -63,10 +61,8 @@ def requests(draw: st.DrawFn) -> pb.GenerateRequest:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = start_stack(tiny_qwen3, free_port(), tmp_path_factory.mktemp("fuzz"), say=lambda _: None)
-    yield s
-    s.stop()
+def stack(plain_stack: Stack) -> Stack:  # tests/shared_stacks.py
+    return plain_stack
 
 
 @pytest.fixture(scope="module")
