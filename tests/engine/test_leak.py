@@ -90,6 +90,7 @@ def test_constrained_overlap_decode_keeps_objects_and_rss_flat(tiny_qwen3: Path)
         total = asyncio.run(main())
     finally:
         gc.unfreeze()
+        gc.collect()  # what died while frozen, now, not in a later test's count
     assert total >= 500  # a sanity floor: the run did decode for hundreds of steps
     # Exact counts: keeping anything per step (a mask, a result record, a logits tensor) grows
     # these by at least one per step; allow a little noise from caches that settle.
@@ -139,12 +140,13 @@ def test_soak_20k_constrained_steps_through_grpc(tiny_qwen3: Path, tmp_path: Pat
 
 
 def test_scaled_leak_test_is_not_vacuous() -> None:
-    """The object counter sees a deliberate per-step leak."""
+    """The object counter sees a deliberate per-step leak (6,000 blocks kept; other threads of the
+    process may free some meanwhile: ~1,000 once in a full run, hence the margin)."""
     keep: list[object] = []
     before, _ = _counts()
-    for i in range(1000):
+    for i in range(3000):
         keep.append(torch.zeros(1))
         keep.append(bytes([i % 256]) * 96)  # a mask-sized bytes object
     after, tensors = _counts()
-    assert after - before >= 1000 and tensors >= 1000
+    assert after - before >= 3000 and tensors >= 3000
     del keep
