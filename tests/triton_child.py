@@ -1,10 +1,15 @@
 """Triton kernel tests run in a child process of their own test file, so that the interpreter
 (``TRITON_INTERPRET=1``, read when Triton is imported) can be on for the numeric cases on the CPU
 and off for the compile-only checks, and so that a GPU run (``STRATA_TEST_DEVICE=cuda``) compiles
-the same cases. The test file calls ``run`` and ends with ``child_main``."""
+the same cases. The test file calls ``run`` (or ``family``) and ends with ``child_main``.
+
+Each child imports torch and Triton (~3 s of CPU), so the numeric families of a file run in one
+child (``all:<names>``: the families the session selected), whose results ``family`` hands out
+to each family's test; every family starts from the same seed as it would alone."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -12,6 +17,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,6 +36,23 @@ def run(test_file: str, arg: str, interpret: bool) -> dict[str, Any]:
     assert proc.returncode == 0, f"{arg} child failed:\n{proc.stdout}\n{proc.stderr}"
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return result
+
+
+@functools.cache
+def _all(test_file: str, names: tuple[str, ...], interpret: bool) -> dict[str, Any]:
+    return run(test_file, "all:" + ",".join(names), interpret)
+
+
+def family(request: pytest.FixtureRequest, name: str, interpret: bool) -> dict[str, Any]:
+    """One family's results, from one child per test file that runs every family whose test
+    (parametrized by ``family``) the session selected; the first of them starts it."""
+    test = request.node.originalname
+    names = tuple(sorted({
+        str(item.callspec.params["family"]) for item in request.session.items
+        if isinstance(item, pytest.Function) and item.originalname == test and item.path == request.node.path
+    }))  # fmt: skip
+    results: dict[str, Any] = _all(str(request.node.path), names, interpret)[name]
+    return results
 
 
 def child_main(families: dict[str, Callable[[], object]], compile_all: Callable[[], object]) -> None:
@@ -49,5 +73,10 @@ def child_main(families: dict[str, Callable[[], object]], compile_all: Callable[
         sys.exit("run with TRITON_INTERPRET=1 on the CPU, without it on a GPU (STRATA_TEST_DEVICE)")
     if TEST_DEVICE != "cpu":
         torch.set_default_device(TEST_DEVICE)
-    torch.manual_seed(0)
-    print(json.dumps(families[sys.argv[1]]()))
+    many = sys.argv[1].startswith("all:")
+    names = sys.argv[1].removeprefix("all:").split(",") if many else [sys.argv[1]]
+    out = {}
+    for name in names:
+        torch.manual_seed(0)
+        out[name] = families[name]()
+    print(json.dumps(out if many else out[names[0]]))

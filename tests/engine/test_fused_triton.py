@@ -227,10 +227,10 @@ def run_child(family: str, interpret: bool) -> Results:
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_fused_triton_kernel_matches_torch_reference(family: str) -> None:
+def test_fused_triton_kernel_matches_torch_reference(request: pytest.FixtureRequest, family: str) -> None:
     from tests.device import TEST_DEVICE
 
-    results = run_child(family, interpret=TEST_DEVICE == "cpu")
+    results = triton_child.family(request, family, interpret=TEST_DEVICE == "cpu")
     assert results, "no case ran"
     over = {name: got for name, (got, limit) in results.items() if not got <= limit}
     assert not over, f"ulps over the bound: {over}"

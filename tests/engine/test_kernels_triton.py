@@ -508,16 +508,16 @@ FAMILIES: dict[str, Callable[[], Results]] = {
 # --------------------------------------------------------------------------------------------------
 
 
-def run_family(family: str) -> Results:
+def run_family(request: pytest.FixtureRequest, family: str) -> Results:
     from tests.device import TEST_DEVICE
 
-    results = triton_child.run(__file__, family, interpret=TEST_DEVICE == "cpu")
+    results = triton_child.family(request, family, interpret=TEST_DEVICE == "cpu")
     return {name: (err, tol) for name, (err, tol) in results.items()}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_triton_kernel_matches_torch_reference(family: str) -> None:
-    results = run_family(family)
+def test_triton_kernel_matches_torch_reference(request: pytest.FixtureRequest, family: str) -> None:
+    results = run_family(request, family)
     assert results, "no case ran"
     failures = {name: err for name, (err, tol) in results.items() if not err <= tol}
     assert not failures, f"relative errors over tolerance: {failures}"
