@@ -56,8 +56,8 @@ def family(request: pytest.FixtureRequest, name: str, interpret: bool) -> dict[s
 
 
 def child_main(families: dict[str, Callable[[], object]], compile_all: Callable[[], object]) -> None:
-    """Child mode: ``compile`` without the interpreter; a family's numeric cases under it on the
-    CPU, or compiled on the test device."""
+    """Child mode: ``compile`` without the interpreter; a family's numeric cases (``<name>``, or
+    several: ``all:<name>,<name>``) under it on the CPU, or compiled on the test device."""
     sys.path.insert(0, str(ROOT))
     import torch
 

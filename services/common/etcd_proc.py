@@ -36,6 +36,7 @@ _LOG_TAIL_BYTES = 4000
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
+
 def tied(argv: list[str]) -> tuple[list[str], Callable[[], None] | None]:
     """``(argv, preexec_fn)`` for a ``Popen`` whose process gets SIGTERM when the thread that
     starts it ends, so services started by ``strata up`` end with it even when it is SIGKILLed.
@@ -113,7 +114,7 @@ class EtcdProcess:
         tied: bool = False,
         tls: TlsFiles | None = None,
     ) -> None:
-        """``tied``: etcd gets SIGTERM when the thread that starts it exits (``tied``);
+        """``tied``: etcd gets SIGTERM when the thread that starts it exits (the function ``tied``);
         for ``strata up``, whose main thread lives as long as the stack. ``tls``: serve clients
         over TLS with this certificate, requiring client certificates signed by its CA (the
         endpoint is then ``https://``)."""
