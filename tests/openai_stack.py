@@ -19,8 +19,7 @@ from typing import Any
 import openai
 import pytest
 
-from services.common.etcd_proc import free_port
-from services.supervisor import Stack, start_stack
+from services.supervisor import Stack
 from tests.shared_stacks import shared_stack
 
 KEY = "sk-test-strata"
@@ -32,16 +31,9 @@ def openai_stack(
     request: pytest.FixtureRequest, tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory,
     _shared_stacks: dict[str, Stack],
 ) -> Iterator[Stack]:  # fmt: skip
-    yield from shared_stack(request, _shared_stacks, lambda: start_stack(
-        tiny_qwen3,
-        free_port(),
-        tmp_path_factory.mktemp("openai"),
-        http_port=free_port(),
-        tokenizer_args=(
-            "--api-key", f"other-key,{KEY}", "--model-name", MODEL,
-            "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
-        ),
-        say=lambda _: None,
+    yield from shared_stack(request, _shared_stacks, tiny_qwen3, tmp_path_factory, tokenizer_args=(
+        "--api-key", f"other-key,{KEY}", "--model-name", MODEL,
+        "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
     ))  # fmt: skip
 
 

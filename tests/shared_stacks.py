@@ -8,7 +8,7 @@ freeze or reconfigure a service start a stack of their own.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,13 +26,17 @@ def _shared_stacks() -> Iterator[dict[str, Stack]]:
 
 
 def shared_stack(
-    request: pytest.FixtureRequest, stacks: dict[str, Stack], start: Callable[[], Stack]
+    request: pytest.FixtureRequest, stacks: dict[str, Stack], model: Path, run_dirs: pytest.TempPathFactory,
+    tokenizer_args: tuple[str, ...] = (),
 ) -> Iterator[Stack]:
-    """The body of a module-scoped fixture: the stack named after the fixture, started by ``start``
-    if no earlier module did, stopped after this module if no later one of the run asks for it."""
+    """The body of a module-scoped fixture: the stack named after the fixture (``model``, gRPC and
+    HTTP fronts, ``tokenizer_args``), started if no earlier module did, stopped after this module if
+    no later one of the run asks for it."""
     name = request.fixturename
+    assert name is not None  # called from a fixture
     if name not in stacks:
-        stacks[name] = start()
+        stacks[name] = start_stack(model, free_port(), run_dirs.mktemp(name), http_port=free_port(),
+                                   tokenizer_args=tokenizer_args, say=lambda _: None)  # fmt: skip
     yield stacks[name]
     items = request.session.items
     last = max(i for i, item in enumerate(items) if getattr(item, "module", None) is request.module)
@@ -46,5 +50,4 @@ def plain_stack(
     _shared_stacks: dict[str, Stack],
 ) -> Iterator[Stack]:  # fmt: skip
     """Tiny Qwen3, every service at its defaults, no API key, gRPC and HTTP fronts."""
-    yield from shared_stack(request, _shared_stacks, lambda: start_stack(
-        tiny_qwen3, free_port(), tmp_path_factory.mktemp("plain"), http_port=free_port(), say=lambda _: None))
+    yield from shared_stack(request, _shared_stacks, tiny_qwen3, tmp_path_factory)

@@ -4,7 +4,7 @@ and off for the compile-only checks, and so that a GPU run (``STRATA_TEST_DEVICE
 the same cases. The test file calls ``run`` (or ``family``) and ends with ``child_main``.
 
 Each child imports torch and Triton (~3 s of CPU), so the numeric families of a file run in one
-child (``all:<names>``: the families the session selected), whose results ``family`` hands out
+child (``<name>,<name>``: the families the session selected), whose results ``family`` hands out
 to each family's test; every family starts from the same seed as it would alone."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def run(test_file: str, arg: str, interpret: bool) -> dict[str, Any]:
 
 @functools.cache
 def _all(test_file: str, names: tuple[str, ...], interpret: bool) -> dict[str, Any]:
-    return run(test_file, "all:" + ",".join(names), interpret)
+    return run(test_file, ",".join(names), interpret)
 
 
 def family(request: pytest.FixtureRequest, name: str, interpret: bool) -> dict[str, Any]:
@@ -56,8 +56,9 @@ def family(request: pytest.FixtureRequest, name: str, interpret: bool) -> dict[s
 
 
 def child_main(families: dict[str, Callable[[], object]], compile_all: Callable[[], object]) -> None:
-    """Child mode: ``compile`` without the interpreter; a family's numeric cases (``<name>``, or
-    several: ``all:<name>,<name>``) under it on the CPU, or compiled on the test device."""
+    """Child mode: ``compile`` without the interpreter; the numeric cases of the families named
+    (``<name>,<name>``, one result object per family) under it on the CPU, or compiled on the
+    test device."""
     sys.path.insert(0, str(ROOT))
     import torch
 
@@ -73,10 +74,8 @@ def child_main(families: dict[str, Callable[[], object]], compile_all: Callable[
         sys.exit("run with TRITON_INTERPRET=1 on the CPU, without it on a GPU (STRATA_TEST_DEVICE)")
     if TEST_DEVICE != "cpu":
         torch.set_default_device(TEST_DEVICE)
-    many = sys.argv[1].startswith("all:")
-    names = sys.argv[1].removeprefix("all:").split(",") if many else [sys.argv[1]]
     out = {}
-    for name in names:
+    for name in sys.argv[1].split(","):
         torch.manual_seed(0)
         out[name] = families[name]()
-    print(json.dumps(out if many else out[names[0]]))
+    print(json.dumps(out))
