@@ -82,7 +82,8 @@ class WorkerConfig:
         "tensor-parallel ranks: the model's heads, MLP and experts split over this many processes (gloo on "
         "the CPU); this process is rank 0 and starts the others"))
     tp_timeout_s: float = field(default=60.0, metadata=_h(
-        "tensor parallel: a collective inside a step (or joining the group) fails after this long"))
+        "tensor parallel: a collective inside a step fails after this long (joining the group at start: "
+        "after this or 60 s, whichever is longer)"))
     tp_rank: int = field(default=0, metadata=_h("tensor parallel, set by rank 0 for the ranks it starts"))
     tp_init: str = field(default="", metadata=_h(
         "tensor parallel, set by rank 0 for the ranks it starts: the group's tcp://host:port"))

@@ -31,6 +31,7 @@ import datetime
 import time
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,7 @@ import torch.distributed as dist
 from kernels.linear import Linear, linear
 
 HEARTBEAT = -1  # a message length meaning "no step: still here"
+JOIN_MIN_S = 60.0  # the least time the ranks get to find each other at start
 
 
 class GroupBroken(RuntimeError):
@@ -92,15 +94,22 @@ class Tp:
     @classmethod
     def join(cls, init_method: str, rank: int, size: int, timeout_s: float, device: str = "cpu") -> Tp:
         """Join (or create, on rank 0) the process group at ``init_method`` (``tcp://host:port``);
-        returns once all ``size`` ranks are in, or raises after ``timeout_s``. Gloo carries CPU
-        tensors (the steps, and the model's all-reduces on a CPU device); on a CUDA ``device`` the
-        model's all-reduces go over NCCL."""
+        returns once all ``size`` ranks are in, or raises after ``max(timeout_s, JOIN_MIN_S)``: a
+        rank's start (importing torch, on a loaded host) is not a hung collective, which
+        ``timeout_s`` bounds from then on. Gloo carries CPU tensors (the steps, and the model's
+        all-reduces on a CPU device); on a CUDA ``device`` the model's all-reduces go over NCCL."""
+        url = urlsplit(init_method)
+        if url.scheme != "tcp" or url.hostname is None or url.port is None:
+            raise ValueError(f"tensor parallel: init_method must be tcp://host:port, got {init_method!r}")
         timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(url.hostname, url.port, size, is_master=rank == 0,
+                              timeout=datetime.timedelta(seconds=max(timeout_s, JOIN_MIN_S)))  # fmt: skip
+        store.set_timeout(timeout)
         backend = "gloo"
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device).index or 0)
             backend = "cpu:gloo,cuda:nccl"
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
         return cls(rank, size, dist.group.WORLD)
 
     def close(self) -> None:

@@ -120,3 +120,47 @@ def test_each_rank_gets_its_own_gpu() -> None:
     assert rank_device("cuda", 1) == "cuda:1"
     assert rank_device("cpu", 3) == "cpu"
 
+
+
+def _late_rank(rank: int, init: str, out: Any) -> None:
+    """Rank 1 joins 1.5 s after rank 0, then is 2 s late to its first collective (timeout 0.5 s)."""
+    import time
+
+    import torch.distributed as dist
+
+    try:
+        time.sleep(1.5 * rank)
+        tp = Tp.join(init, rank, 2, timeout_s=0.5)
+        t0 = time.monotonic()
+        try:
+            time.sleep(2.0 * rank)
+            dist.all_reduce(torch.ones(1))
+            out.put((rank, "reduced", time.monotonic() - t0))
+        except RuntimeError as e:
+            out.put((rank, type(e).__name__, time.monotonic() - t0))
+        tp.close()
+    except BaseException as e:  # report, so the test fails with the error instead of hanging
+        out.put((rank, f"join: {e!r}", 0.0))
+
+
+def test_joining_waits_for_a_slow_rank_but_a_collective_does_not() -> None:
+    """``timeout_s`` bounds collectives; a rank still starting (importing torch on a loaded host)
+    gets ``JOIN_MIN_S`` to join (with a 4-s timeout a full run's ranks once missed each other)."""
+    import multiprocessing as mp
+
+    from services.common.etcd_proc import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=_late_rank, args=(r, init, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict((r, (what, s)) for r, what, s in (out.get(timeout=60) for _ in range(2)))
+    finally:
+        for p in procs:
+            p.join(10)
+            p.kill()
+    assert not got[0][0].startswith("join") and not got[1][0].startswith("join"), got
+    assert got[0][0] != "reduced" and got[0][1] < 1.8, got  # rank 0 gave up on rank 1 after ~0.5 s
