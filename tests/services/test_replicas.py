@@ -158,12 +158,14 @@ def test_shared_l3_then_a_killed_replicas_streams_resume_on_the_other_and_it_rej
             killed: list[float] = []
 
             def kill_replica(running: list[streams.Stream]) -> None:
-                # Mid-stream on both sides: waiting for every stream to have some tokens instead
-                # once let the victim finish its streams while the other replica started its own.
-                deadline = time.monotonic() + 60
-                while max(len(x.ids) for x in running) < 5 or _load(s.child("scheduler-1").address).running == 0:
-                    assert time.monotonic() < deadline, [len(x.ids) for x in running]
-                    time.sleep(0.02)
+                # The victim is mid-stream: it runs requests and has stepped since they came (a
+                # condition on the streams alone cannot say which replica each is on; waiting for
+                # 10 tokens on every stream once let the victim finish all of its own first).
+                victim = s.child("scheduler-1").address
+                deadline, steps = time.monotonic() + 60, _load(victim).steps
+                while (load := _load(victim)).running == 0 or load.steps < steps + 5:
+                    assert time.monotonic() < deadline, ([len(x.ids) for x in running], str(load))
+                    time.sleep(0.01)
                 killed.append(time.monotonic())
                 for name in ("scheduler-1", "worker-1"):
                     proc = s.child(name).proc
