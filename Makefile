@@ -19,20 +19,29 @@ PORT ?= 50051
 run: install models
 	$(BIN)/strata up --model $(TINY) --port $(PORT)
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist), each test file whole in one of them (module
+# fixtures are shared within a file). Run alone, a test process keeps one core busy about half the time (its
+# own torch uses one thread; the services it starts wait on each other); two keep both cores busy. Every
+# torch in the run, the services' workers included, uses one thread (OMP_NUM_THREADS=1): two-thread workers
+# of two tests at once would preempt each other's OpenMP threads mid-step. A `--threads` or `--cpus` flag
+# in a test still wins. TEST_WORKERS=0: one process, as plain `pytest` runs.
+TEST_WORKERS ?= 2
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test: install models
-	$(BIN)/python -m pytest -q --durations=25
+	$(PYTEST) --durations=25
 
 # One tier of the suite each: tests/unit (one piece alone, under a minute), tests/engine (the model, engine and
 # scheduler loop in-process, against transformers), tests/services (real processes, servers, etcd).
 # `make test` runs all three.
 test-unit: install models
-	$(BIN)/python -m pytest -q tests/unit
+	$(PYTEST) tests/unit
 
 test-engine: install models
-	$(BIN)/python -m pytest -q tests/engine
+	$(PYTEST) tests/engine
 
 test-services: install models
-	$(BIN)/python -m pytest -q tests/services
+	$(PYTEST) tests/services
 
 # Everything, the slow soak and benchmark runs included.
 test-all: install models

@@ -44,6 +44,16 @@ def _one_torch_thread() -> None:
     torch.set_num_threads(1)
 
 
+TIERS = {"services": 0, "engine": 1, "unit": 2}  # run order: the long files first
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The services tier first, then engine, then unit (each in file order): under `make test`'s
+    two processes (pytest-xdist, whole files) the many short files at the end fill the time while
+    the other process finishes a long one, instead of one long file running alone at the end."""
+    items.sort(key=lambda item: TIERS.get(item.path.parent.name, len(TIERS)))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """``STRATA_TEST_DEVICE`` (tests/device.py) names a device this machine has, or nothing runs."""
     from tests.device import check_test_device
