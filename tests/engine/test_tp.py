@@ -9,12 +9,16 @@ config key.
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from services.common.etcd_proc import free_port
 from services.common.page_hash import rank_key
 from services.worker.tp import Tp
 from tests.reference import hf_greedy, hf_model
@@ -121,13 +125,8 @@ def test_each_rank_gets_its_own_gpu() -> None:
     assert rank_device("cpu", 3) == "cpu"
 
 
-
 def _late_rank(rank: int, init: str, out: Any) -> None:
     """Rank 1 joins 1.5 s after rank 0, then is 2 s late to its first collective (timeout 0.5 s)."""
-    import time
-
-    import torch.distributed as dist
-
     try:
         time.sleep(1.5 * rank)
         tp = Tp.join(init, rank, 2, timeout_s=0.5)
@@ -145,11 +144,7 @@ def _late_rank(rank: int, init: str, out: Any) -> None:
 
 def test_joining_waits_for_a_slow_rank_but_a_collective_does_not() -> None:
     """``timeout_s`` bounds collectives; a rank still starting (importing torch on a loaded host)
-    gets ``JOIN_MIN_S`` to join (with a 4-s timeout a full run's ranks once missed each other)."""
-    import multiprocessing as mp
-
-    from services.common.etcd_proc import free_port
-
+    gets ``JOIN_MIN_S`` to join (with ``--tp-timeout-s 3`` a full run's ranks once missed each other)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     init = f"tcp://127.0.0.1:{free_port()}"
@@ -157,7 +152,7 @@ def test_joining_waits_for_a_slow_rank_but_a_collective_does_not() -> None:
     for p in procs:
         p.start()
     try:
-        got = dict((r, (what, s)) for r, what, s in (out.get(timeout=60) for _ in range(2)))
+        got = {r: (what, s) for r, what, s in (out.get(timeout=60) for _ in range(2))}
     finally:
         for p in procs:
             p.join(10)
