@@ -158,12 +158,15 @@ def test_shared_l3_then_a_killed_replicas_streams_resume_on_the_other_and_it_rej
             killed: list[float] = []
 
             def kill_replica(running: list[streams.Stream]) -> None:
-                # The victim is mid-stream: it runs requests and has stepped since they came (a
-                # condition on the streams alone cannot say which replica each is on; waiting for
-                # 10 tokens on every stream once let the victim finish all of its own first).
+                # The victim is mid-stream: it runs requests, has stepped since they came, and every
+                # stream has tokens, so each of its requests is cut after some (one cut before its
+                # first token waits for the victim to leave etcd instead). A condition on the streams
+                # alone cannot say which replica each is on: waiting for 10 tokens on every stream
+                # once let the victim finish all of its own first.
                 victim = s.child("scheduler-1").address
                 deadline, steps = time.monotonic() + 60, _load(victim).steps
-                while (load := _load(victim)).running == 0 or load.steps < steps + 5:
+                while ((load := _load(victim)).running == 0 or load.steps < steps + 5
+                       or any(not x.ids and not x.finish for x in running)):  # fmt: skip
                     assert time.monotonic() < deadline, ([len(x.ids) for x in running], str(load))
                     time.sleep(0.01)
                 killed.append(time.monotonic())
