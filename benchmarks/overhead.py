@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                      *a.worker_arg),
         scheduler_args=("--max-running", str(cfg.streams), "--max-waiting", str(4 * cfg.streams)),
         tokenizer_args=("--front-processes", str(cfg.fronts)),
-        say=lambda line: print("  " + line, flush=True),
+        say=lambda line: print("  " + line, flush=True), grammar_preload=False,
     )  # fmt: skip
     t0 = time.perf_counter()
     try:

@@ -211,6 +211,7 @@ def start_stack(
     etcd_tls: TlsFiles | None = None,
     roles: tuple[str, ...] = (),
     replica_worker_args: Sequence[tuple[str, ...]] = (),
+    grammar_preload: bool = True,
 ) -> Stack:
     """Start etcd (unless an endpoint is given), then the services, each as soon as what it needs
     is ready: kvstore, the first worker and the tokenizer at once; each scheduler once its worker
@@ -224,8 +225,12 @@ def start_stack(
     the same CA in ``common_args``). ``roles``: one scheduler ``--role`` per replica (prefill /
     decode disaggregation; ``replicas`` is then ``len(roles)``); ``replica_worker_args[i]``: more
     flags for replica ``i``'s worker only (the prefill workers' ``--outbox-bytes``, each worker's
-    ``--cpus``)."""
+    ``--cpus``). ``grammar_preload=False``: each scheduler loads its grammar backend at its first
+    constrained request, not in the background once its worker is attached (~4 s of CPU each,
+    which a stack that sends no grammar, or measures CPU from its start, need not spend)."""
     replicas = len(roles) or replicas
+    if not grammar_preload:
+        scheduler_args = (*scheduler_args, "--grammar-preload", "false")
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -58,7 +58,8 @@ def hicache_stack(model: Path, run_dir: Path, kvstore_args: tuple[str, ...] = ()
     """A running stack with the hierarchical cache on; every child (including ones a test appends
     to ``stack.children``) and etcd are stopped on exit."""
     stack = start_stack(
-        model, free_port(), run_dir, worker_args=WORKER_ARGS, kvstore_args=kvstore_args, say=lambda _: None
+        model, free_port(), run_dir, worker_args=WORKER_ARGS, kvstore_args=kvstore_args, say=lambda _: None,
+        grammar_preload=False,
     )
     try:
         yield stack

@@ -36,7 +36,8 @@ def shared_stack(
     assert name is not None  # called from a fixture
     if name not in stacks:
         stacks[name] = start_stack(model, free_port(), run_dirs.mktemp(name), http_port=free_port(),
-                                   tokenizer_args=tokenizer_args, say=lambda _: None)  # fmt: skip
+                                   tokenizer_args=tokenizer_args, say=lambda _: None,
+                                   grammar_preload=False)  # fmt: skip
     yield stacks[name]
     items = request.session.items
     last = max(i for i, item in enumerate(items) if getattr(item, "module", None) is request.module)

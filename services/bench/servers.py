@@ -197,7 +197,7 @@ class ServersBench:
             worker_args=("--kv-cache-bytes", str(kv), "--max-rows", str(rows)),
             scheduler_args=("--cache", "radix", "--max-prefill-tokens", str(c.max_prefill_tokens),
                             "--max-running", str(rows)),
-            say=lambda line: self.say("    " + line),
+            say=lambda line: self.say("    " + line), grammar_preload=False,
         )  # fmt: skip
         try:
             tok = st.child("tokenizer")

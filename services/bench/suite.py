@@ -189,7 +189,7 @@ class Suite:
             run_dir,
             worker_args=worker,
             scheduler_args=sched,
-            say=lambda line: self.say("    " + line),
+            say=lambda line: self.say("    " + line), grammar_preload=False,
         )
         self._scheduler_address = st.child("scheduler").address
         try:

@@ -28,8 +28,10 @@ class SchedulerConfig:
     etcd: str = field(default="", metadata=_h("etcd endpoint host:port; empty = use --worker"))
     worker: str = field(default="", metadata=_h("a fixed worker address instead of etcd discovery"))
     model: str = field(default="", metadata=_h("serve only workers of this model name (empty = any)"))
-    tokenizer: str = field(default="", metadata=_h(
-        "model directory whose tokenizer compiles grammars (loaded, with xgrammar, at the first constrained request)"))
+    tokenizer: str = field(default="", metadata=_h("model directory whose tokenizer compiles grammars"))
+    grammar_preload: bool = field(default=True, metadata=_h(
+        "load the grammar backend (xgrammar, the torch it imports, the tokenizer's tables: ~4 s of CPU, ~220 MiB) "
+        "in the background once a worker is attached; false: at the first constrained request, which waits for it"))
     grammar_cache: int = field(default=64, metadata=_h("compiled grammars kept (LRU)"))
     l3_lookup: bool = field(default=True, metadata=_h("ask the kvstore shards (L3) for a prompt's pages"))
     l3_lookup_timeout_s: float = field(

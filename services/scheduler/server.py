@@ -8,6 +8,7 @@ import functools
 import logging
 import os
 import secrets
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
@@ -17,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from services.common import step_codec, telemetry, validation
 from services.common.discovery import Discovery, Registration, ServiceRecord, advertised_address
-from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from services.common.metrics import serve_metrics
 from services.common.server import Server, run_service, settle_heap
 from services.scheduler.budget_ledger import BudgetLedger
@@ -63,22 +64,47 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
             return None
         if not self._tokenizer_dir:
             raise FailedPrecondition("constraint: this scheduler was started without --tokenizer")
+        grammars = await self._grammar_service()
+        compiled = await grammars.compile(Constraint(kind, getattr(c, kind)))
+        return compiled.matcher()
+
+    async def _grammar_service(self) -> GrammarService:
+        """The grammar backend (xgrammar over the tokenizer, sized by the attached worker's
+        vocabulary), built once in a thread: by ``preload_grammars`` or the first grammar; callers
+        that arrive meanwhile wait for the same build, and a failed build is tried again by the next."""
         info = self.loop.info
         assert info is not None
-        if self._grammars is None:  # requests that arrive while it is built wait for the same one
+        if self._grammars is None:
             self._grammars = asyncio.ensure_future(asyncio.to_thread(
                 GrammarService, self._tokenizer_dir, info.vocab_size, stop_token_ids=list(info.eos_token_ids),
                 cache_size=self._grammar_cache,
             ))  # fmt: skip
         building = self._grammars
         try:
-            grammars = await asyncio.shield(building)  # a waiter that leaves does not cancel the build
+            return await asyncio.shield(building)  # a waiter that leaves does not cancel the build
         except Exception:
-            if self._grammars is building:  # a failed build is tried again by the next grammar
+            if self._grammars is building:
                 self._grammars = None
             raise
-        compiled = await grammars.compile(Constraint(kind, getattr(c, kind)))
-        return compiled.matcher()
+
+    async def preload_grammars(self) -> None:
+        """Build the grammar backend as soon as a worker is attached, not at the first constrained
+        request: loading xgrammar (and the torch it imports) takes ~4 s of CPU, which that request
+        (or one resumed here from a lost replica) would otherwise wait for. A failure is logged;
+        the first grammar then tries again and answers with the error."""
+        while True:
+            try:
+                await self.loop.wait_for_worker()
+                break
+            except Unavailable:
+                continue  # no worker yet: keep waiting (the scheduler serves, and says so, meanwhile)
+        t0 = time.perf_counter()
+        try:
+            await self._grammar_service()
+        except Exception as e:  # reported here; the first grammar meets it again
+            log.warning("grammar backend failed to load (%s); the first constrained request tries again", e)
+            return
+        log.info("grammar backend loaded in %.1fs", time.perf_counter() - t0)
 
     async def _admit(self, request: spb.GenerateRequest, trace_context: dict[str, str], session: bool = False) -> Req:
         """Validate ``request``, compile its grammar, look up L3 and queue it: the one admission
@@ -373,6 +399,9 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event, ready: asyncio.Event 
         asyncio.create_task(loop.run(stop), name="scheduling loop"),
         asyncio.create_task(_manage_workers(cfg, loop, stop), name="worker watcher"),
     ]
+    preload = None
+    if cfg.tokenizer and cfg.grammar_preload:
+        preload = asyncio.create_task(servicer.preload_grammars(), name="grammar preload")
     log.info("scheduler serving on %s", address)
     settle_heap()
     print(f"READY scheduler {address}{metrics}", flush=True)
@@ -381,9 +410,10 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event, ready: asyncio.Event 
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
     died = next((t for t in tasks if t.done()), None)  # the loop or the worker watcher ended by itself
-    for t in (stopped, *tasks):
+    extra = [preload] if preload is not None else []
+    for t in (stopped, *tasks, *extra):
         t.cancel()
-    await asyncio.gather(stopped, *tasks, return_exceptions=True)
+    await asyncio.gather(stopped, *tasks, *extra, return_exceptions=True)
     if registration is not None:
         await registration.stop()
     if loop.link is not None:

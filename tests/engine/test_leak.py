@@ -124,7 +124,7 @@ def test_soak_20k_constrained_steps_through_grpc(tiny_qwen3: Path, tmp_path: Pat
     from services.common.etcd_proc import free_port
     from services.supervisor import start_stack
 
-    stack = start_stack(tiny_qwen3, free_port(), tmp_path, say=lambda _: None)
+    stack = start_stack(tiny_qwen3, free_port(), tmp_path, say=lambda _: None, grammar_preload=False)
     try:
         procs = {c.name: psutil.Process(c.proc.pid) for c in stack.children if c.proc is not None}
         samples: list[dict[str, float]] = []

@@ -48,7 +48,7 @@ def stack(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     scheduler = ("--speculative-algorithm", "ngram", "--speculative-adaptive", "false", "--metrics-port", "0")
     s = start_stack(
         tiny_qwen3, free_port(), run_dir, common_args=common, worker_args=worker, scheduler_args=scheduler,
-        say=lambda _: None,
+        say=lambda _: None, grammar_preload=False,
     )  # fmt: skip
     yield s
     s.stop()

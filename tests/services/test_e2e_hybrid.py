@@ -22,7 +22,8 @@ from tests.reference import hf_greedy, hf_tokenizer
 
 @pytest.fixture(scope="module")
 def api(tiny_qwen3_next: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[pgrpc.StrataStub]:
-    s: Stack = start_stack(tiny_qwen3_next, free_port(), tmp_path_factory.mktemp("hybrid"), say=lambda _: None)
+    s: Stack = start_stack(tiny_qwen3_next, free_port(), tmp_path_factory.mktemp("hybrid"), say=lambda _: None,
+                           grammar_preload=False)  # fmt: skip
     try:
         with grpc.insecure_channel(s.child("tokenizer").address) as ch:
             yield pgrpc.StrataStub(ch)

@@ -68,7 +68,7 @@ def test_idle_past_keepalive_then_a_burst(tiny_qwen3: Path, tmp_path: Path, monk
     """Finding 0: every channel pings every 300 ms here (as every 10 s by default): a server that
     refused pings that often would GOAWAY the scheduler's idle Step stream within seconds."""
     monkeypatch.setenv("STRATA_GRPC_KEEPALIVE_MS", "300")
-    s = start_stack(tiny_qwen3, free_port(), tmp_path, **QUIET)
+    s = start_stack(tiny_qwen3, free_port(), tmp_path, **QUIET, grammar_preload=False)
     try:
         with grpc.insecure_channel(s.child("tokenizer").address) as ch:
             api = pgrpc.StrataStub(ch)
@@ -161,7 +161,8 @@ def test_a_rejected_duplicate_leaves_the_original_abortable(api: pgrpc.StrataStu
 def test_worker_sigkill_under_load_ends_every_stream(tiny_qwen3: Path, tmp_path: Path) -> None:
     """Finding 4: with no worker to come back, requeued requests end with UNAVAILABLE in bounded
     time (the scheduler's --worker-wait-s), never hang."""
-    s = start_stack(tiny_qwen3, free_port(), tmp_path, scheduler_args=("--worker-wait-s", "2"), **QUIET)
+    s = start_stack(tiny_qwen3, free_port(), tmp_path, scheduler_args=("--worker-wait-s", "2"), **QUIET,
+                    grammar_preload=False)
     try:
         with grpc.insecure_channel(s.child("tokenizer").address) as ch:
             api = pgrpc.StrataStub(ch)
@@ -191,7 +192,7 @@ def test_worker_sigkill_under_16_streams_resumes_them_on_its_restart(tiny_qwen3:
     tokens so far; the restarted worker (same port, as ``strata up --restart on-failure`` restarts
     it) recomputes their context and every stream goes on: greedy, seeded and grammar-constrained
     tokens equal to an uninterrupted run, none lost or repeated, usage counting them all."""
-    s = start_stack(tiny_qwen3, free_port(), tmp_path, **QUIET)
+    s = start_stack(tiny_qwen3, free_port(), tmp_path, **QUIET, grammar_preload=False)
     try:
         with grpc.insecure_channel(s.child("tokenizer").address) as ch:
             api = pgrpc.StrataStub(ch)
@@ -226,7 +227,7 @@ def test_worker_sigkill_under_16_streams_resumes_them_on_its_restart(tiny_qwen3:
 
 def test_worker_sigkill_with_a_second_worker_moves_the_requests(tiny_qwen3: Path, tmp_path: Path) -> None:
     """Finding 4, with somewhere to go: the requeued requests finish on the other worker."""
-    s = start_stack(tiny_qwen3, free_port(), tmp_path, **QUIET)
+    s = start_stack(tiny_qwen3, free_port(), tmp_path, **QUIET, grammar_preload=False)
     try:
         first = s.child("worker")
         spare = type(first)("worker", [*first.argv], tmp_path / "worker2.log")
@@ -253,7 +254,8 @@ def test_scheduler_restart_is_served_at_once_and_no_scheduler_fails_fast(tiny_qw
     it aside after one refused call and uses the restarted one; with none alive a request ends
     with UNAVAILABLE in seconds, not 30: after ``--resume-wait-s`` (2 s here) while the dead one is
     still registered (it may be restarting), after ``--scheduler-wait-s`` (5 s) once none is."""
-    s = start_stack(tiny_qwen3, free_port(), tmp_path, tokenizer_args=("--resume-wait-s", "2"), **QUIET)
+    s = start_stack(tiny_qwen3, free_port(), tmp_path, tokenizer_args=("--resume-wait-s", "2"), **QUIET,
+                    grammar_preload=False)
     try:
         with grpc.insecure_channel(s.child("tokenizer").address) as ch:
             api = pgrpc.StrataStub(ch)
@@ -315,7 +317,7 @@ def test_overload_sheds_at_once_and_serves_the_admitted(tiny_qwen3: Path, tmp_pa
     """Twice what the queue holds arrives at once: the excess gets RESOURCE_EXHAUSTED at once
     (no queueing), every admitted request completes."""
     limits = ("--max-waiting", "4", "--max-running", "2")
-    s = start_stack(tiny_qwen3, free_port(), tmp_path, scheduler_args=limits, **QUIET)
+    s = start_stack(tiny_qwen3, free_port(), tmp_path, scheduler_args=limits, **QUIET, grammar_preload=False)
     try:
         with grpc.insecure_channel(s.child("tokenizer").address) as ch:
             api = pgrpc.StrataStub(ch)
@@ -353,7 +355,7 @@ def test_etcd_restart_and_a_frozen_kvstore_do_not_stop_serving(tiny_qwen3: Path,
     """etcd down: requests keep being served (routes are cached) and every service registers again
     once it is back. The kvstore frozen (SIGSTOP): requests degrade to recomputation and complete."""
     worker = ("--host-cache-bytes", str(8 << 20), "--l3", "true")
-    s = start_stack(tiny_qwen3, free_port(), tmp_path, worker_args=worker, **QUIET)
+    s = start_stack(tiny_qwen3, free_port(), tmp_path, worker_args=worker, **QUIET, grammar_preload=False)
     try:
         with grpc.insecure_channel(s.child("tokenizer").address) as ch:
             api = pgrpc.StrataStub(ch)

@@ -21,7 +21,8 @@ LEASE_TTL_S = 5.0  # services.common.discovery.Registration's default
 
 def test_a_scheduler_frozen_past_its_lease_loses_no_stream(tiny_qwen3: Path, tmp_path: Path) -> None:
     s = start_stack(tiny_qwen3, free_port(), tmp_path, worker_args=("--host-cache-bytes", "0"),
-                    tokenizer_args=("--router-policy", "round_robin"), replicas=2, say=lambda _: None)  # fmt: skip
+                    tokenizer_args=("--router-policy", "round_robin"), replicas=2, say=lambda _: None,
+                    grammar_preload=False)  # fmt: skip
     try:
         with grpc.insecure_channel(s.child("tokenizer").address) as ch:
             api = pgrpc.StrataStub(ch)

@@ -322,7 +322,7 @@ def test_shedding_is_429_and_no_worker_is_503(tiny_qwen3: Path, tmp_path: Path) 
         tmp_path,
         http_port=free_port(),
         say=lambda _: None,
-        scheduler_args=("--max-waiting", "1", "--max-running", "1", "--worker-wait-s", "1"),
+        scheduler_args=("--max-waiting", "1", "--max-running", "1", "--worker-wait-s", "1"), grammar_preload=False,
     )
     try:
         c = openai.AsyncOpenAI(base_url=f"http://{s.child('tokenizer').extra['http']}/v1", api_key="x", max_retries=0)

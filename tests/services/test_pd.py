@@ -61,7 +61,7 @@ def _pd_stack(model: Path, tmp: Path, direct: bool = False) -> Stack:
     return start_stack(model, free_port(), tmp, roles=ROLES, common_args=("--metrics-port", "0"),
                        worker_args=("--host-cache-bytes", "64MiB", "--l3", "true"),
                        replica_worker_args=[("--outbox-bytes", "32MiB")] if direct else (),
-                       **QUIET)  # fmt: skip
+                       **QUIET, grammar_preload=False)  # fmt: skip
 
 
 def _gauge(stack: Stack, service: str, name: str) -> float:

@@ -39,7 +39,7 @@ def stack(tiny_qwen3: Path, certs: TlsFiles, tmp_path_factory: pytest.TempPathFa
     common = ("--tls-cert", certs.cert, "--tls-key", certs.key, "--tls-ca", certs.ca)
     s = start_stack(
         tiny_qwen3, free_port(), tmp_path_factory.mktemp("tls-stack"), common_args=common, http_port=free_port(),
-        tokenizer_args=("--api-key", KEY), say=lambda _: None, etcd_tls=certs,
+        tokenizer_args=("--api-key", KEY), say=lambda _: None, etcd_tls=certs, grammar_preload=False,
     )  # fmt: skip
     yield s
     s.stop()

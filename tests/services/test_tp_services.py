@@ -94,7 +94,7 @@ def test_every_path_through_the_services_equals_transformers(
         model, free_port(), tmp_path, worker_args=_worker_args(160 * _slot_bytes_per_rank(model, 2), 2),
         scheduler_args=("--max-prefill-tokens", "24", "--metrics-port", "0", "--speculative-algorithm", "ngram",
                         "--speculative-max-batch", "64", "--speculative-adaptive", "false"),
-        say=lambda _: None,
+        say=lambda _: None, grammar_preload=False,
     )  # fmt: skip
     try:
         info = worker_info(stack)
@@ -161,13 +161,14 @@ def test_tp2_and_tp1_sharing_a_kvstore_never_exchange_pages(tiny_qwen3: Path, tm
     # One etcd, one kvstore, two deployments kept apart by model name (each scheduler drives only
     # its own worker; each tokenizer routes only to its own scheduler).
     tp2 = start_stack(
-        tiny_qwen3, free_port(), tmp_path / "tp2", say=lambda _: None, **_deployment("tiny-tp2", 2)
+        tiny_qwen3, free_port(), tmp_path / "tp2", say=lambda _: None, **_deployment("tiny-tp2", 2),
+        grammar_preload=False,
     )
     try:
         kv = tp2.child("kvstore").address
         tp1 = start_stack(
             tiny_qwen3, free_port(), tmp_path / "tp1", etcd=tp2.etcd_endpoint, say=lambda _: None,
-            **_deployment("tiny-tp1", 1),
+            **_deployment("tiny-tp1", 1), grammar_preload=False,
         )  # fmt: skip
         try:
             # tp1's own kvstore registered in the same etcd: drop it so both workers use the first
@@ -208,7 +209,7 @@ def _rank_pid(log: Path, rank: int) -> int:
 def test_killing_one_rank_stops_the_group_loudly(tiny_qwen3: Path, tmp_path: Path) -> None:
     stack = start_stack(
         tiny_qwen3, free_port(), tmp_path, worker_args=("--tp", "2", "--threads", "1"),
-        scheduler_args=("--worker-wait-s", "2"), say=lambda _: None,
+        scheduler_args=("--worker-wait-s", "2"), say=lambda _: None, grammar_preload=False,
     )  # fmt: skip
     try:
         worker = stack.child("worker")
@@ -256,7 +257,7 @@ def test_a_hung_rank_times_out_and_stops_the_group(tiny_qwen3: Path, tmp_path: P
     --tp-timeout-s, the request fails (never hangs) and the group stops, saying why."""
     stack = start_stack(
         tiny_qwen3, free_port(), tmp_path, worker_args=("--tp", "2", "--threads", "1", "--tp-timeout-s", "3"),
-        scheduler_args=("--worker-wait-s", "2"), say=lambda _: None,
+        scheduler_args=("--worker-wait-s", "2"), say=lambda _: None, grammar_preload=False,
     )  # fmt: skip
     follower = -1
     try:
