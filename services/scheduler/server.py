@@ -96,8 +96,8 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
             try:
                 await self.loop.wait_for_worker()
                 break
-            except Unavailable:
-                continue  # no worker yet: keep waiting (the scheduler serves, and says so, meanwhile)
+            except Unavailable:  # none within --worker-wait-s (which may be 0): keep waiting
+                await asyncio.sleep(0.5)
         t0 = time.perf_counter()
         try:
             await self._grammar_service()
