@@ -157,10 +157,14 @@ def test_shared_l3_then_a_killed_replicas_streams_resume_on_the_other_and_it_rej
             want = streams.run(api, reqs)
             killed: list[float] = []
 
-            # Each scheduler loads its grammar backend once its worker is attached (the default): a
-            # constrained stream resumed on the survivor does not wait ~4 s for xgrammar and torch.
+            # Each scheduler loads its grammar backend in the background once its worker is attached
+            # (the default; ~4 s of CPU, longer on a loaded machine): once it has, a constrained
+            # stream resumed on the survivor does not wait for xgrammar and torch.
+            deadline = time.monotonic() + 60
             for name in ("scheduler", "scheduler-1"):
-                assert "grammar backend loaded" in s.child(name).log_path.read_text(), name
+                while "grammar backend loaded" not in s.child(name).log_path.read_text():
+                    assert time.monotonic() < deadline, f"{name} did not load its grammar backend"
+                    time.sleep(0.1)
 
             def kill_replica(running: list[streams.Stream]) -> None:
                 # The victim is mid-stream: it runs requests and has stepped since they came (some
