@@ -1,4 +1,5 @@
-"""The scheduler builds its grammar service once, whoever asks first and however many ask at once."""
+"""The scheduler builds its grammar service once, whoever asks first (the preload once a worker is
+attached, or a grammar) and however many ask at once."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from services.common.errors import Unavailable
 from services.scheduler import server
 from services.scheduler.server import SchedulerServicer
 from strata.scheduler.v1 import scheduler_pb2 as spb
@@ -60,4 +62,67 @@ def test_a_failed_build_fails_its_waiters_and_the_next_grammar_builds_again(monk
 
     first, later = asyncio.run(main())
     assert all(isinstance(e, RuntimeError) and "build 0" in str(e) for e in first)
+    assert _Service.built == [0, 1] and later.text == "b+"
+
+
+class _Loop:
+    """A scheduling loop whose worker attaches at the ``attach_at``-th wait."""
+
+    def __init__(self, attach_at: int) -> None:
+        self.info = SimpleNamespace(vocab_size=100, eos_token_ids=[2])
+        self.waits = 0
+        self.attach_at = attach_at
+
+    async def wait_for_worker(self) -> Any:
+        self.waits += 1
+        if self.waits < self.attach_at:
+            raise Unavailable("no worker connected within 0s")
+        return self.info
+
+
+def _preloading(monkeypatch: pytest.MonkeyPatch, fail: set[int], attach_at: int) -> SchedulerServicer:
+    _Service.built, _Service.fail = [], fail
+    monkeypatch.setattr(server, "GrammarService", _Service)
+    monkeypatch.setattr(server.asyncio, "sleep", _no_sleep)
+    return SchedulerServicer(_Loop(attach_at), tokenizer_dir="unused")  # type: ignore[arg-type]
+
+
+_real_sleep = asyncio.sleep
+
+
+async def _no_sleep(_: float) -> None:
+    await _real_sleep(0)
+
+
+def test_the_preload_waits_for_a_worker_and_a_grammar_meanwhile_joins_its_build(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    s = _preloading(monkeypatch, fail=set(), attach_at=3)
+    caplog.set_level("INFO", logger=server.__name__)
+
+    async def main() -> Any:
+        preload = asyncio.create_task(s.preload_grammars())
+        while not _Service.built:  # the build has started (in its thread)
+            await _real_sleep(0.01)
+        matcher = await s._matcher(spb.Constraint(regex="a+"))
+        await preload
+        return matcher
+
+    matcher = asyncio.run(main())
+    assert s.loop.waits == 3  # type: ignore[attr-defined]
+    assert _Service.built == [0] and matcher.text == "a+"
+    assert "grammar backend loaded" in caplog.text
+
+
+def test_a_failed_preload_is_logged_and_the_first_grammar_builds_again(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    s = _preloading(monkeypatch, fail={0}, attach_at=1)
+
+    async def main() -> Any:
+        await s.preload_grammars()
+        return await s._matcher(spb.Constraint(regex="b+"))
+
+    later = asyncio.run(main())
+    assert "grammar backend failed to load (build 0 failed)" in caplog.text
     assert _Service.built == [0, 1] and later.text == "b+"
