@@ -399,9 +399,9 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event, ready: asyncio.Event 
         asyncio.create_task(loop.run(stop), name="scheduling loop"),
         asyncio.create_task(_manage_workers(cfg, loop, stop), name="worker watcher"),
     ]
-    preload = None
+    background: list[asyncio.Task[None]] = []  # cancelled at stop; their end is not the scheduler's
     if cfg.tokenizer and cfg.grammar_preload:
-        preload = asyncio.create_task(servicer.preload_grammars(), name="grammar preload")
+        background.append(asyncio.create_task(servicer.preload_grammars(), name="grammar preload"))
     log.info("scheduler serving on %s", address)
     settle_heap()
     print(f"READY scheduler {address}{metrics}", flush=True)
@@ -410,10 +410,9 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event, ready: asyncio.Event 
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
     died = next((t for t in tasks if t.done()), None)  # the loop or the worker watcher ended by itself
-    extra = [preload] if preload is not None else []
-    for t in (stopped, *tasks, *extra):
+    for t in (stopped, *tasks, *background):
         t.cancel()
-    await asyncio.gather(stopped, *tasks, *extra, return_exceptions=True)
+    await asyncio.gather(stopped, *tasks, *background, return_exceptions=True)
     if registration is not None:
         await registration.stop()
     if loop.link is not None:

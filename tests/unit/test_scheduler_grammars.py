@@ -34,11 +34,11 @@ class _Service:
         return SimpleNamespace(matcher=lambda: constraint)
 
 
-def _servicer(monkeypatch: pytest.MonkeyPatch, fail: set[int]) -> SchedulerServicer:
+def _servicer(monkeypatch: pytest.MonkeyPatch, fail: set[int], loop: Any = None) -> SchedulerServicer:
     _Service.built, _Service.fail = [], fail
     monkeypatch.setattr(server, "GrammarService", _Service)
-    loop = SimpleNamespace(info=SimpleNamespace(vocab_size=100, eos_token_ids=[2]))
-    return SchedulerServicer(loop, tokenizer_dir="unused")  # type: ignore[arg-type]
+    loop = loop or SimpleNamespace(info=SimpleNamespace(vocab_size=100, eos_token_ids=[2]))
+    return SchedulerServicer(loop, tokenizer_dir="unused")
 
 
 def test_grammars_arriving_together_build_the_service_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,36 +80,22 @@ class _Loop:
         return self.info
 
 
-def _preloading(monkeypatch: pytest.MonkeyPatch, fail: set[int], attach_at: int) -> SchedulerServicer:
-    _Service.built, _Service.fail = [], fail
-    monkeypatch.setattr(server, "GrammarService", _Service)
-    monkeypatch.setattr(server.asyncio, "sleep", _no_sleep)
-    return SchedulerServicer(_Loop(attach_at), tokenizer_dir="unused")  # type: ignore[arg-type]
-
-
-_real_sleep = asyncio.sleep
-
-
-async def _no_sleep(_: float) -> None:
-    await _real_sleep(0)
-
-
 def test_the_preload_waits_for_a_worker_and_a_grammar_meanwhile_joins_its_build(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    s = _preloading(monkeypatch, fail=set(), attach_at=3)
+    s = _servicer(monkeypatch, fail=set(), loop=_Loop(attach_at=2))  # one wait times out (0.5 s)
     caplog.set_level("INFO", logger=server.__name__)
 
     async def main() -> Any:
         preload = asyncio.create_task(s.preload_grammars())
         while not _Service.built:  # the build has started (in its thread)
-            await _real_sleep(0.01)
+            await asyncio.sleep(0.01)
         matcher = await s._matcher(spb.Constraint(regex="a+"))
         await preload
         return matcher
 
     matcher = asyncio.run(main())
-    assert s.loop.waits == 3  # type: ignore[attr-defined]
+    assert s.loop.waits == 2  # type: ignore[attr-defined]
     assert _Service.built == [0] and matcher.text == "a+"
     assert "grammar backend loaded" in caplog.text
 
@@ -117,7 +103,7 @@ def test_the_preload_waits_for_a_worker_and_a_grammar_meanwhile_joins_its_build(
 def test_a_failed_preload_is_logged_and_the_first_grammar_builds_again(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    s = _preloading(monkeypatch, fail={0}, attach_at=1)
+    s = _servicer(monkeypatch, fail={0}, loop=_Loop(attach_at=1))
 
     async def main() -> Any:
         await s.preload_grammars()
