@@ -377,7 +377,7 @@ def add_tokenizer(stack: Stack, model: Path, setup: Setup) -> Child:
     else:
         route = ("--router-policy", setup.policy)
     name = f"tokenizer-{setup.name.replace('+', '-')}"
-    argv = [sys.executable, "-m", "services.tokenizer.server", "--model", str(model), "--port", "0",
+    argv = [sys.executable, "-m", "services.tokenizer", "--model", str(model), "--port", "0",
             "--http-port", "0", "--etcd", stack.etcd_endpoint, "--metrics-port", "0", *route]  # fmt: skip
     child = Child(name, argv, stack.run_dir / f"{name}.log")
     stack.children.append(child)

@@ -167,6 +167,10 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, rest: list[str]) -> int:
+    if args.service == "tokenizer":  # as `python -m services.tokenizer`: a process without torch
+        from services.tokenizer.torchless import hide_torch
+
+        hide_torch()
     module = importlib.import_module(f"services.{args.service}.server")
     module.main(rest)
     return 0

@@ -138,7 +138,8 @@ class Stack:
 
 
 def _module(name: str) -> list[str]:
-    return [sys.executable, "-m", f"services.{name}.server"]
+    # The tokenizer's package entry runs it without torch (services/tokenizer/torchless.py).
+    return [sys.executable, "-m", "services.tokenizer" if name == "tokenizer" else f"services.{name}.server"]
 
 
 def _scheduler_argv(stack: Stack, worker: str, base: list[str]) -> list[str]:

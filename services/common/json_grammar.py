@@ -1,7 +1,7 @@
 """What every JSON grammar Strata hands to xgrammar shares: bounded whitespace, valid strings.
 
 The scheduler compiles ``json_schema`` constraints with it (``services/scheduler/grammar.py``),
-the tokenizer builds tool-call grammars with it (``services/tokenizer/tool_grammar.py``).
+the scheduler builds tool-call grammars with it (``services/scheduler/tool_grammar.py``).
 """
 
 from __future__ import annotations

@@ -43,14 +43,15 @@ import numpy as np
 
 from services.common.errors import InvalidArgument
 from services.common.json_grammar import JSON_MAX_WHITESPACE, valid_json_strings
+from services.scheduler.tool_grammar import tool_calls_ebnf
 
 if TYPE_CHECKING:  # xgrammar loads torch and transformers (~3.5 s on 2 cores): at the first grammar
     import xgrammar as xgr  # (``GrammarService``), not at every scheduler's start
     from transformers import PreTrainedTokenizerBase
 
-ConstraintKind = Literal["json_schema", "regex", "ebnf"]
+ConstraintKind = Literal["json_schema", "regex", "ebnf", "tool_calls"]
 COMPILE_THREADS = 2  # grammar compiles at once; more wait in the pool's queue
-_KINDS: tuple[ConstraintKind, ...] = ("json_schema", "regex", "ebnf")
+_KINDS: tuple[ConstraintKind, ...] = ("json_schema", "regex", "ebnf", "tool_calls")
 
 # xgrammar's reasons are one line; a JSON error also echoes the whole schema, which we cut.
 _MAX_REASON_CHARS = 400
@@ -366,6 +367,8 @@ class GrammarService:
                 grammar = self._compiler.compile_grammar(_json_schema_ebnf(c.text))
             elif c.kind == "regex":
                 grammar = self._compiler.compile_regex(c.text)
+            elif c.kind == "tool_calls":  # text: tool_grammar.tool_calls_key
+                grammar = self._compiler.compile_grammar(tool_calls_ebnf(c.text))
             else:
                 grammar = self._compiler.compile_grammar(c.text)
         except (RuntimeError, ValueError) as e:

@@ -30,6 +30,7 @@ from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.request import FailEvent, FinishEvent, PromptEvent, Req, TokenEvent
 from services.scheduler.session import FINISH_PB, prompt_logprobs_pb
 from services.scheduler.session import Session as Mux
+from services.scheduler.tool_grammar import tool_calls_key
 from services.scheduler.worker_link import GrpcWorkerLink, WorkerGone
 from strata.scheduler.v1 import scheduler_pb2 as spb
 from strata.scheduler.v1 import scheduler_pb2_grpc as sgrpc
@@ -65,7 +66,8 @@ class SchedulerServicer(sgrpc.SchedulerServicer):
         if not self._tokenizer_dir:
             raise FailedPrecondition("constraint: this scheduler was started without --tokenizer")
         grammars = await self._grammar_service()
-        compiled = await grammars.compile(Constraint(kind, getattr(c, kind)))
+        text = tool_calls_key(c.tool_calls) if kind == "tool_calls" else getattr(c, kind)
+        compiled = await grammars.compile(Constraint(kind, text))
         return compiled.matcher()
 
     async def _grammar_service(self) -> GrammarService:

@@ -17,7 +17,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from services.common.errors import InvalidArgument
-from services.tokenizer.tool_grammar import ToolSpec
+from strata.scheduler.v1 import scheduler_pb2 as spb
 from strata.v1 import strata_pb2 as pb
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -36,7 +36,7 @@ class ChatInputs:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None  # OpenAI's tool objects, as templates expect them
     kwargs: dict[str, Any]  # extra template variables
-    specs: tuple[ToolSpec, ...]  # the tools, for a tool-call grammar
+    specs: tuple[spb.ToolCalls.Tool, ...]  # the tools, for a tool-call constraint
     chars: int  # characters of text in all of it (for the length check before rendering)
 
     @property
@@ -63,7 +63,7 @@ class Prepared:
     choices of one HTTP body share it."""
 
     ids: list[int]
-    constraint: tuple[str, str] | None  # (kind, text) as the scheduler compiles it: json_schema, regex, ebnf
+    constraint: spb.Constraint | None  # as the scheduler compiles it
     reasoning_open: bool  # the prompt ends inside an open think block: the answer starts as reasoning
     tool_schemas: dict[str, Any]  # each tool's parameters schema by name (for parsing calls)
 
@@ -123,7 +123,7 @@ def _args(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
-def _tools(tools: Any) -> tuple[tuple[ToolSpec, ...], list[dict[str, Any]] | None]:
+def _tools(tools: Any) -> tuple[tuple[spb.ToolCalls.Tool, ...], list[dict[str, Any]] | None]:
     if not tools:
         return (), None
     if len(tools) > MAX_TOOLS:
@@ -148,7 +148,7 @@ def _tools(tools: Any) -> tuple[tuple[ToolSpec, ...], list[dict[str, Any]] | Non
             if not isinstance(schema, dict) or schema.get("type", "object") != "object":
                 raise InvalidArgument(f"{where}.parameters: must be a JSON schema of an object (type \"object\")")
             function["parameters"] = schema
-        specs.append(ToolSpec(t.name, t.parameters))
+        specs.append(spb.ToolCalls.Tool(name=t.name, parameters=t.parameters))
         out.append({"type": "function", "function": function})
     return tuple(specs), out
 

@@ -75,7 +75,7 @@ class Fronts:
             # Python code between fork and exec, beside gRPC's threads, crashed gRPC's poller
             # (seen with TLS); without one, subprocess uses vfork, which runs no fork handlers.
             proc = subprocess.Popen(
-                [sys.executable, "-m", "services.tokenizer.server", *to_args(c)],
+                [sys.executable, "-m", "services.tokenizer", *to_args(c)],
                 stdout=subprocess.PIPE, text=True, pass_fds=self._fds,
             )  # fmt: skip
             self.procs.append(proc)

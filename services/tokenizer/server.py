@@ -35,7 +35,6 @@ from services.tokenizer.openai_api import OpenAIFront
 from services.tokenizer.reasoning import ReasoningFormat, prompt_closes_reasoning, prompt_opens_reasoning
 from services.tokenizer.router import Router, Ticket
 from services.tokenizer.session import Chunk, Inbox
-from services.tokenizer.tool_grammar import ReasoningPrefix, tool_call_grammar
 from services.tokenizer.tool_parsers import ToolFormat
 from strata.scheduler.v1 import scheduler_pb2 as spb
 from strata.v1 import strata_pb2 as pb
@@ -199,23 +198,25 @@ class StrataServicer(pgrpc.StrataServicer):
         )
         thinking = self.reasoning != "none" and chat is not None
         reasoning_open = thinking and prompt_opens_reasoning(text)
-        constraint: tuple[str, str] | None = None
+        constraint: spb.Constraint | None = None
         ckind = request.WhichOneof("constraint")
         if ckind == "tool_calls":
             if chat is None or not chat.specs:
                 raise InvalidArgument("constraint.tool_calls: needs a conversation (messages) with tools")
-            prefix: ReasoningPrefix = "none"
+            tc = request.tool_calls
+            if tc.name and tc.name not in {t.name for t in chat.specs}:
+                raise InvalidArgument(f"constraint.tool_calls.name: {tc.name!r} is not one of the tools")
+            prefix = "none"
             if thinking and not prompt_closes_reasoning(text):
                 prefix = "open" if reasoning_open else "optional"
-            tc, specs = request.tool_calls, chat.specs
-            grammar = await self._off_loop(
-                lambda: tool_call_grammar(specs, self.tool_format, tc.name, tc.parallel, prefix)
-            )
-            constraint = ("ebnf", grammar)
+            # The scheduler builds the calls' grammar from the tools (it holds xgrammar; this
+            # process stays without it, and without torch).
+            calls = spb.ToolCalls(tools=chat.specs, format=self.tool_format, name=tc.name,
+                                  parallel=tc.parallel, reasoning=prefix)  # fmt: skip
+            constraint = spb.Constraint(tool_calls=calls)
         elif ckind:
-            constraint = (ckind, getattr(request, ckind))
-        if constraint is not None:
-            validation.check_grammar(f"constraint.{ckind}", constraint[1])
+            validation.check_grammar(f"constraint.{ckind}", getattr(request, ckind))
+            constraint = spb.Constraint(**{ckind: getattr(request, ckind)})
         return Prepared(ids, constraint, reasoning_open, chat.schemas if chat is not None else {})
 
     # -- RPCs -----------------------------------------------------------------------------------
@@ -319,7 +320,7 @@ class StrataServicer(pgrpc.StrataServicer):
         if not sreq.sampling.HasField("seed"):  # ours, so that a resumed stream draws as this one would
             sreq.sampling.seed = secrets.randbits(63)
         if prepared.constraint is not None:
-            setattr(sreq.constraint, *prepared.constraint)
+            sreq.constraint.CopyFrom(prepared.constraint)
         return sreq, gen
 
     def _finished(self, span: Span, answer: Answer, final: pb.GenerateResponse, ticket: Ticket | None) -> None:

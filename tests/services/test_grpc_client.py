@@ -77,7 +77,7 @@ def tokenizer(tiny_qwen3: Path, scheduler: str, tmp_path_factory: pytest.TempPat
     log = tmp_path_factory.mktemp("grpc-client") / "tokenizer.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.tokenizer.server", "--model", str(tiny_qwen3), "--scheduler", scheduler,
+            [sys.executable, "-m", "services.tokenizer", "--model", str(tiny_qwen3), "--scheduler", scheduler,
              "--port", "0", "--http-port", "0", "--api-key", KEY, "--model-name", "tiny"],
             cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
         )

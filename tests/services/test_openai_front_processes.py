@@ -29,7 +29,7 @@ PROMPT = "The front processes share one port"
 
 
 def _start(stack: Stack, model: Path, run: Path) -> Child:
-    argv = [sys.executable, "-m", "services.tokenizer.server", "--model", str(model), "--model-name", MODEL,
+    argv = [sys.executable, "-m", "services.tokenizer", "--model", str(model), "--model-name", MODEL,
             "--etcd", stack.etcd_endpoint, "--port", "0", "--http-port", "-1", "--front-processes", "2"]  # fmt: skip
     child = Child("tokenizer", argv, run / "tokenizer.log")
     child.start(dict(os.environ, PYTHONUNBUFFERED="1"))

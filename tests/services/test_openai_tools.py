@@ -227,6 +227,18 @@ def test_reasoning_split_streamed_and_whole(openai_client: openai.OpenAI) -> Non
     assert getattr(plain.choices[0].message, "reasoning_content", "missing") is None  # the key is always there
 
 
+def test_the_tokenizer_process_runs_without_torch(openai_client: openai.OpenAI, openai_stack: Stack) -> None:
+    """Its tool-call grammars are the scheduler's to build: after one, the tokenizer still has no
+    torch loaded (services/tokenizer/torchless.py), the scheduler does."""
+    reply = openai_client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[CLOCK], tool_choice="required", max_tokens=60, extra_body=NO_THINKING
+    )
+    assert reply.choices[0].message.tool_calls
+    maps = {name: Path(f"/proc/{openai_stack.child(name).proc.pid}/maps").read_text()
+            for name in ("tokenizer", "scheduler")}  # fmt: skip
+    assert "libtorch" not in maps["tokenizer"] and "libtorch" in maps["scheduler"]
+
+
 def test_tokenize_detokenize_and_models(openai_base: str, tiny_qwen3: Path) -> None:
     tok = hf_tokenizer(str(tiny_qwen3))
     text = "The quick river, said Alice: été <|im_end|> 42!"

@@ -17,8 +17,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from kernels.bitmask import apply_token_bitmask
 from services.common.errors import InvalidArgument
 from services.scheduler.grammar import Constraint, GrammarService
-from services.tokenizer.tool_grammar import ToolSpec, tool_call_grammar
+from services.scheduler.tool_grammar import ToolSpec, tool_call_grammar, tool_calls_ebnf, tool_calls_key
 from services.tokenizer.tool_parsers import ToolFormat, make_parser
+from strata.scheduler.v1 import scheduler_pb2 as spb
 from tests.tool_schemas import random_schema, random_value
 
 FORMATS: tuple[ToolFormat, ...] = ("hermes", "qwen3_coder")
@@ -148,3 +149,27 @@ def test_bad_tools_name_the_field() -> None:
         tool_call_grammar([good], "hermes", only="nope")
     with pytest.raises(InvalidArgument, match="at least one tool"):
         tool_call_grammar([], "qwen3_coder")
+
+
+def test_the_tokenizers_tool_calls_constraint_builds_the_same_grammar(
+    service: GrammarService, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """What the tokenizer sends (``ToolCalls``) compiles to the grammar of the same tools, and its
+    bad fields are refused naming them."""
+    params = json.dumps({"type": "object", "properties": {"x": {"type": "integer"}}})
+    tools = [ToolSpec("a", ""), ToolSpec("b", params)]
+    calls = spb.ToolCalls(tools=[spb.ToolCalls.Tool(name=t.name, parameters=t.parameters) for t in tools],
+                          format="qwen3_coder", name="b", parallel=False, reasoning="optional")  # fmt: skip
+    key = tool_calls_key(calls)
+    assert tool_calls_ebnf(key) == tool_call_grammar(tools, "qwen3_coder", "b", False, "optional")
+    assert tool_calls_key(spb.ToolCalls(tools=calls.tools, format="hermes")) != key
+    for name, args, ok in (("b", {"x": 3}, True), ("a", {}, False)):  # compiled as a kind of its own
+        matcher = service.compile_blocking(Constraint("tool_calls", key)).matcher()
+        ids = tokenizer.encode(call_text("qwen3_coder", name, args), add_special_tokens=False)
+        assert (all(matcher.accept(t) for t in ids) and matcher.is_completed()) == ok, name
+    with pytest.raises(InvalidArgument, match=r"^constraint\.tool_calls\.format: 'json'"):
+        tool_calls_key(spb.ToolCalls(tools=calls.tools, format="json"))
+    with pytest.raises(InvalidArgument, match=r"^constraint\.tool_calls\.reasoning: 'maybe'"):
+        tool_calls_key(spb.ToolCalls(tools=calls.tools, format="hermes", reasoning="maybe"))
+    with pytest.raises(InvalidArgument, match="at least one tool"):
+        tool_calls_ebnf(tool_calls_key(spb.ToolCalls(format="hermes")))

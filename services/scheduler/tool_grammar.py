@@ -1,9 +1,10 @@
 """The grammar that makes an answer tool calls (``tool_choice`` ``required`` or a named function).
 
-Built with xgrammar's structural tags from the tools' parameter schemas, in the format of
-``--tool-call-parser``, and handed to the scheduler as EBNF text (the ``ebnf`` constraint it
-already compiles and caches), so a constrained answer is nothing but calls whose arguments parse
-and validate against their tool's schema:
+The tokenizer sends the conversation's tools in a ``ToolCalls`` constraint; here they become EBNF
+text, built with xgrammar's structural tags from the tools' parameter schemas in the format of the
+tokenizer's ``--tool-call-parser``, which the grammar service compiles and caches as it does an
+``ebnf`` constraint. So a constrained answer is nothing but calls whose arguments parse and
+validate against their tool's schema:
 
     hermes:       <tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>
     qwen3_coder:  <tool_call>\\n<function=NAME>\\nPARAMS\\n</function>\\n</tool_call>
@@ -21,17 +22,20 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Literal
-
-import xgrammar as xgr
-from xgrammar import structural_tag as st
+from typing import TYPE_CHECKING, Any, Literal
 
 from services.common.errors import InvalidArgument
 from services.common.json_grammar import JSON_MAX_WHITESPACE, valid_json_strings
 from services.tokenizer.reasoning import THINK_CLOSE, THINK_OPEN
 from services.tokenizer.tool_parsers import ToolFormat
+from strata.scheduler.v1 import scheduler_pb2 as spb
+
+if TYPE_CHECKING:  # xgrammar imports torch: loaded with the grammar backend (services/scheduler/grammar.py)
+    from xgrammar import structural_tag as st
 
 ReasoningPrefix = Literal["none", "optional", "open"]
+FORMATS: tuple[ToolFormat, ...] = ("hermes", "qwen3_coder")
+PREFIXES: tuple[ReasoningPrefix, ...] = ("none", "optional", "open")
 NO_PARAMETERS = '{"type": "object", "properties": {}}'  # a tool without parameters takes {}
 GRAMMAR_CACHE = 64  # agents send the same tools on every call: their grammar text is built once
 
@@ -74,9 +78,37 @@ def tool_call_grammar(
         raise InvalidArgument(f"{field}: {_reason(e)}") from None
 
 
+def tool_calls_key(calls: spb.ToolCalls) -> str:
+    """``calls`` as one canonical text (the grammar cache's key, ``tool_calls_ebnf``'s input).
+
+    Raises:
+        InvalidArgument: ``constraint.tool_calls.format`` / ``.reasoning`` not one of the known.
+    """
+    reasoning = calls.reasoning or "none"
+    if calls.format not in FORMATS:
+        raise InvalidArgument(f"constraint.tool_calls.format: {calls.format!r}; expected one of {', '.join(FORMATS)}")
+    if reasoning not in PREFIXES:
+        raise InvalidArgument(f"constraint.tool_calls.reasoning: {reasoning!r}; expected one of {', '.join(PREFIXES)}")
+    return json.dumps(
+        {"tools": [[t.name, t.parameters] for t in calls.tools], "format": calls.format, "name": calls.name,
+         "parallel": calls.parallel, "reasoning": reasoning}, separators=(",", ":"),
+    )  # fmt: skip
+
+
+def tool_calls_ebnf(key: str) -> str:
+    """The EBNF of the calls that ``key`` (from ``tool_calls_key``) describes; raises as
+    ``tool_call_grammar``."""
+    d = json.loads(key)
+    tools = tuple(ToolSpec(name, parameters) for name, parameters in d["tools"])
+    return tool_call_grammar(tools, d["format"], d["name"], d["parallel"], d["reasoning"])
+
+
 @lru_cache(maxsize=GRAMMAR_CACHE)
 def _grammar(tools: tuple[ToolSpec, ...], fmt: ToolFormat, single: bool, parallel: bool,
              reasoning: ReasoningPrefix) -> str:  # fmt: skip
+    import xgrammar as xgr
+    from xgrammar import structural_tag as st
+
     tags: list[Any] = [_call_tag(t, fmt) for t in tools]
     calls: Any
     if single or (len(tags) == 1 and not parallel):
@@ -98,6 +130,8 @@ def _grammar(tools: tuple[ToolSpec, ...], fmt: ToolFormat, single: bool, paralle
 
 
 def _call_tag(tool: ToolSpec, fmt: ToolFormat) -> st.TagFormat:
+    from xgrammar import structural_tag as st
+
     schema: dict[str, Any] = json.loads(tool.parameters or NO_PARAMETERS)
     if fmt == "hermes":
         return st.TagFormat(
