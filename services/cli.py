@@ -345,9 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     msub = model.add_subparsers(dest="model_command", required=True)
     tiny = msub.add_parser("tiny", help="write a random-weight checkpoint with a trained BPE tokenizer")
     tiny.add_argument("--arch", choices=["qwen3", "qwen3-next"], default="qwen3")
-    tiny.add_argument("--size", choices=["tiny", "bench", "null", "0.6b"], default="tiny",
+    tiny.add_argument("--size", choices=["tiny", "bench", "null", "0.6b", "0.6b-4"], default="tiny",
                       help="tiny: tests; bench: a few tens of millions of parameters; null: one thin layer; "
-                      "0.6b: Qwen3-0.6B's shape and vocabulary (qwen3 only, ~3 GB)")
+                      "0.6b: Qwen3-0.6B's shape and vocabulary (qwen3 only, ~3 GB); 0.6b-4: the same, 4 layers")
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--seed", type=int, default=0)
 

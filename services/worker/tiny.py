@@ -26,7 +26,7 @@ from typing import Any, Literal
 import torch
 
 Arch = Literal["qwen3", "qwen3-next"]
-Size = Literal["tiny", "bench", "null", "0.6b"]
+Size = Literal["tiny", "bench", "null", "0.6b", "0.6b-4"]
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
@@ -149,6 +149,12 @@ _SHAPES: dict[Size, _Shape] = {
     # About 3 GB of fp32 safetensors; qwen3 only.
     "0.6b": _Shape(
         vocab=8192, hidden=1024, intermediate=3072, layers=28, heads=16, kv_heads=8, head_dim=128, context=40960,
+        corpus_lines=60000, model_vocab=151936,
+    ),
+    # The same widths and vocabulary, 4 of the 28 layers (~1.5 GB): the CPU servers compared at a
+    # real layer shape and a real-width LM head, sampler and logits (services/bench/servers.py).
+    "0.6b-4": _Shape(
+        vocab=8192, hidden=1024, intermediate=3072, layers=4, heads=16, kv_heads=8, head_dim=128, context=40960,
         corpus_lines=60000, model_vocab=151936,
     ),
 }
@@ -346,9 +352,9 @@ def write_tiny_checkpoint(
         raise ValueError(f"arch must be 'qwen3' or 'qwen3-next', got {arch!r}")
     if size not in _SHAPES:
         raise ValueError(f"size must be one of {sorted(_SHAPES)}, got {size!r}")
-    if size == "0.6b" and arch != "qwen3":
-        raise ValueError(f"size '0.6b' is Qwen3-0.6B's shape: arch must be 'qwen3', got {arch!r}")
-    report = progress or (_stderr if size in ("bench", "0.6b") else _silent)
+    if size.startswith("0.6b") and arch != "qwen3":
+        raise ValueError(f"size {size!r} is Qwen3-0.6B's shape: arch must be 'qwen3', got {arch!r}")
+    report = progress or (_stderr if size in ("bench", "0.6b", "0.6b-4") else _silent)
     shape = _SHAPES[size]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
