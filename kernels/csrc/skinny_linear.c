@@ -117,3 +117,53 @@ int strata_skinny_linear_pays(void) {
     return 0;
 #endif
 }
+
+/* One row: out[n] = sum_k x[k] * w[n, k] (+ bias[n]), fp32 (a batch-1 decode step's every matrix).
+ *
+ * Such a step reads every weight once and does one multiply-add per weight: it is bound by how
+ * fast the weights stream from memory. MKL's sgemv and oneDNN's packed weights read them at
+ * 11-13 GB/s on an AVX2 EPYC whose plain `sum` over the same bytes runs at 19-22 GB/s. Here each
+ * thread walks its share of the rows 8 at a time, one 8-lane accumulator per row: 8 independent
+ * streams for the hardware prefetchers, 8 + 1 registers on AVX2's 16, K in steps of 8 with a
+ * scalar tail. Measured there (2 threads, cold weights): Qwen3-0.6B's 151,936 x 1,024 LM head
+ * 28-35 ms against oneDNN's 46-47 and MKL's 59; the bench model's 57 matrices 8.7 against 11.8-13.2
+ * and 15.3-16.0 ms. The summation order is not MKL's (about 1e-6 relative). */
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v8 load8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float hsum8(v8 v) {
+    float s = 0.0f;
+    for (int i = 0; i < 8; i++) s += v[i];
+    return s;
+}
+
+static inline __attribute__((always_inline)) void gemv_tile(const float *x, const float *w, float *out,
+                                                            int64_t k_len, const int r_len) {
+    v8 acc[8];
+    for (int r = 0; r < r_len; r++) acc[r] = (v8){0};
+    int64_t k = 0;
+    for (; k + 8 <= k_len; k += 8) {
+        v8 xv = load8(x + k);
+        for (int r = 0; r < r_len; r++) acc[r] += load8(w + r * k_len + k) * xv;
+    }
+    for (int r = 0; r < r_len; r++) {
+        float s = hsum8(acc[r]);
+        for (int64_t j = k; j < k_len; j++) s += w[r * k_len + j] * x[j];
+        out[r] = s;
+    }
+}
+
+/* x [K], w [N, K], bias [N] or NULL, out [N]: contiguous fp32. */
+void strata_gemv_f32(const float *x, const float *w, const float *bias, float *out, int64_t n_len, int64_t k_len) {
+    int64_t tiles = n_len / 8;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) gemv_tile(x, w + t * 8 * k_len, out + t * 8, k_len, 8);
+    for (int64_t n = tiles * 8; n < n_len; n++) gemv_tile(x, w + n * k_len, out + n, k_len, 1);
+    if (bias)
+        for (int64_t n = 0; n < n_len; n++) out[n] += bias[n];
+}

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
-from kernels.linear import few_rows, pack, packed_timing, unpack
+from kernels.linear import few_rows, gemv_timing, mark_gemv, pack, packed_timing, unmark_gemv, unpack
 from services.common.step import (
     MAX_TOP_LOGPROBS,
     HostBackup,
@@ -117,6 +117,7 @@ class Engine:
         self.device = device
         self.model = model
         self._pack_weights()
+        self._choose_gemv()
         backing = choose_backing(device)
         slot_bytes = self._make_pools(dtype, context, backing, l3)
         self.info = self._worker_info(model_dir, loaded, context, slot_bytes, backing)
@@ -152,6 +153,27 @@ class Engine:
                 log.info("linear weights: MKL for every step (%s)", how)
                 return
         log.info("linear weights: oneDNN-packed copies for decode steps, +%.0f MiB (%s)", added / (1 << 20), how)
+
+    def _choose_gemv(self) -> None:
+        """The native one-row kernel for batch-1 decode steps (``kernels.linear.mark_gemv``): with
+        ``gemv`` on, or auto where a pass over the weights at one row measured at least
+        ``PACKED_GAIN`` times faster with it than as a decode step multiplies without it (the packed
+        copies where kept, else MKL). CPU and fp32 only."""
+        mode = self.cfg.gemv
+        if mode == "off" or self.device.type != "cpu" or self.cfg.dtype != "float32":
+            return
+        model = cast(torch.nn.Module, self.model)
+        if not mark_gemv(model):
+            return
+        how = "on"
+        if mode == "auto":
+            other, native = gemv_timing(model)
+            how = f"a pass over them at 1 row: without {other * 1e3:.1f} ms, with {native * 1e3:.1f} ms"
+            if other < PACKED_GAIN * native:
+                unmark_gemv(model)
+                log.info("one-row products: no native kernel (%s)", how)
+                return
+        log.info("one-row products: the native kernel for batch-1 decode steps (%s)", how)
 
     def _make_pools(self, dtype: torch.dtype, context: int, backing: BackingChoice, l3: L3Port | None) -> int:
         """The KV pool and slot table, the Mamba pool of a hybrid model, the host tier; returns the
