@@ -22,14 +22,16 @@ transformers computes for the same chunk, which the hybrid model's tests rely on
 chunk moved 1.8e-4 from transformers' logits through the kernel; the bar is 1e-4). Everything else
 (other row counts, half precision, a GPU, no C compiler, autograd) keeps ``F.linear``.
 
-**One row** (``mark_gemv``, ``kernels/csrc/skinny_linear.c: strata_gemv_f32``): a batch-1 decode
-step streams every weight once for one multiply-add each, and MKL and oneDNN read them well under
-the memory's rate (11-13 GB/s on an AVX2 EPYC whose ``sum`` over the same bytes runs at 19-22). The
-kernel walks 8 rows at a time with one 8-lane accumulator each; the engine marks the weights where
-a pass at one row measured it faster at start (``gemv_timing``), and ``linear`` then takes it for
-one row inside ``few_rows``, before a packed copy. Engine decode steps at batch 1 (512-token
-context, alternated, medians of 4): the bench model 22.4 -> 18.5 ms, Qwen3-0.6B's widths and
-vocabulary on 4 layers 82.2 -> 53.5 ms.
+**The 8-lane kernel** (``mark_native``, ``kernels/csrc/skinny_linear.c: strata_rows_linear_f32``,
+1-8 rows): a small batch's decode step streams every weight once for a few multiply-adds each, and
+MKL and oneDNN read them well under the memory's rate (11-13 GB/s at one row on an AVX2 EPYC whose
+``sum`` over the same bytes runs at 19-22, less from two rows). The kernel walks R weight rows at a
+time with one 8-lane accumulator per (row, input row), sized for AVX2's 16 registers; the engine
+marks the weights with the row counts where a pass measured it faster at start (``native_timing``
+at 1 and at 4 rows), and ``linear`` then takes it inside ``few_rows``, before a packed copy.
+Engine decode steps (512-token contexts, alternated, medians of 4), off -> on: the bench model
+26.2 -> 18.1 ms at 1 request, 29.2 -> 22.2 at 2, 30.4 -> 26.1 at 4; Qwen3-0.6B's widths and
+vocabulary on 4 layers 90.6 -> 58.1 ms at 1, 105.3 -> 82.7 at 2.
 
 **Packed weights** (``pack``): oneDNN's copy of a weight in its own blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``, what vLLM's CPU worker multiplies with), used, like
@@ -94,13 +96,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear(x, weight, bias)`` for ``x [..., K]``, ``weight [N, K]``."""
     if getattr(_scope, "on", False) and not torch.is_grad_enabled():
         k = x.shape[-1]
-        if x.numel() == k and getattr(weight, GEMV, False) and x.dtype == torch.float32 and x.device.type == "cpu":
-            return _gemv(x.reshape(k).contiguous(), weight, bias).view(*x.shape[:-1], weight.shape[0])
+        rows = x.numel() // k if k else 0
+        if rows in getattr(weight, NATIVE, ()) and x.dtype == torch.float32 and x.device.type == "cpu":
+            return _rows(x.reshape(rows, k).contiguous(), weight, bias).view(*x.shape[:-1], weight.shape[0])
         packed = getattr(weight, PACKED, None)
         if packed is not None and x.dtype == torch.float32:
             out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, k).contiguous(), packed, bias, "none", [], "")
             return out.view(*x.shape[:-1], weight.shape[0])
-        rows = x.numel() // k if k else 0
         if (
             rows in ROWS
             and pays()
@@ -125,18 +127,22 @@ def _few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     return out
 
 
-def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The native one-row kernel on ``x [K]`` (contiguous); ``weight`` as ``mark_gemv`` marked it."""
+def _rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The native 8-lane kernel on ``x [M, K]`` (contiguous, M in ``NATIVE_ROWS``); ``weight`` and
+    ``bias`` as ``mark_native`` marked them."""
     lib = load()
     assert lib is not None
-    out = torch.empty(weight.shape[0], dtype=torch.float32)
-    lib.strata_gemv_f32(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-                        weight.shape[0], weight.shape[1])  # fmt: skip
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+    lib.strata_rows_linear_f32(
+        x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0],
+        weight.shape[0], x.shape[1],
+    )  # fmt: skip
     return out
 
 
 PACKED = "strata_packed"  # the attribute of a weight Parameter that holds its oneDNN-packed copy
-GEMV = "strata_gemv"  # set (True) on a weight Parameter whose one-row products take the native kernel
+NATIVE = "strata_native_rows"  # on a weight Parameter: the row counts whose products take ``_rows``
+NATIVE_ROWS = frozenset(range(1, 9))  # what the 8-lane kernel takes
 
 
 def pack(model: nn.Module) -> int:
@@ -161,26 +167,22 @@ def unpack(model: nn.Module) -> None:
             delattr(mod.weight, PACKED)
 
 
-def mark_gemv(model: nn.Module) -> int:
-    """Mark every fp32 CPU weight of ``model``'s ``Linear`` layers that the native one-row kernel
-    takes (``linear`` then uses it for one row inside ``few_rows``); returns how many. 0 where the
-    native library is unavailable."""
+def mark_native(model: nn.Module, rows: frozenset[int] = NATIVE_ROWS) -> int:
+    """Mark every fp32 CPU weight of ``model``'s ``Linear`` layers that the native 8-lane kernel
+    takes: ``linear`` then uses it inside ``few_rows`` for ``rows`` rows (a subset of
+    ``NATIVE_ROWS``; empty unmarks). Returns how many weights; 0 where the library is unavailable."""
     if load() is None:
         return 0
     marked = 0
     for mod in model.modules():
-        if isinstance(mod, Linear) and mod.weight.device.type == "cpu" and usable(
-            mod.weight, *(() if mod.bias is None else (mod.bias,))
+        if (
+            isinstance(mod, Linear)
+            and mod.weight.device.type == "cpu"
+            and usable(mod.weight, *(() if mod.bias is None else (mod.bias,)))
         ):
-            setattr(mod.weight, GEMV, True)
+            setattr(mod.weight, NATIVE, rows & NATIVE_ROWS)
             marked += 1
     return marked
-
-
-def unmark_gemv(model: nn.Module) -> None:
-    for mod in model.modules():
-        if isinstance(mod, Linear) and hasattr(mod.weight, GEMV):
-            delattr(mod.weight, GEMV)
 
 
 def packed_timing(model: nn.Module, rows: int = 2, rounds: int = 3) -> tuple[float, float]:
@@ -202,12 +204,12 @@ def packed_timing(model: nn.Module, rows: int = 2, rounds: int = 3) -> tuple[flo
     return _alternated(mkl, packed, rounds)
 
 
-def gemv_timing(model: nn.Module, rounds: int = 3) -> tuple[float, float]:
-    """Seconds for one pass at one row (a batch-1 decode) over every weight ``mark_gemv`` marked,
-    as a decode step without the kernel multiplies (the packed copy where there is one, else MKL)
-    and with the kernel; medians of ``rounds`` alternated passes of each."""
-    weights = [m.weight for m in model.modules() if isinstance(m, Linear) and getattr(m.weight, GEMV, False)]
-    inputs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}
+def native_timing(model: nn.Module, rows: int, rounds: int = 3) -> tuple[float, float]:
+    """Seconds for one pass at ``rows`` rows (a small decode batch) over every weight
+    ``mark_native`` marked, as a decode step without the kernel multiplies (the packed copy where
+    there is one, else MKL) and with the kernel; medians of ``rounds`` alternated passes of each."""
+    weights = [m.weight for m in model.modules() if isinstance(m, Linear) and hasattr(m.weight, NATIVE)]
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
 
     def other() -> None:
         for w in weights:
@@ -219,7 +221,7 @@ def gemv_timing(model: nn.Module, rounds: int = 3) -> tuple[float, float]:
 
     def native() -> None:
         for w in weights:
-            _gemv(inputs[w.shape[1]][0], w, None)
+            _rows(inputs[w.shape[1]], w, None)
 
     return _alternated(other, native, rounds)
 

@@ -128,8 +128,8 @@ def load() -> ctypes.CDLL | None:
         lib.strata_skinny_linear_f32.restype = ctypes.c_int
         lib.strata_skinny_linear_pays.argtypes = []
         lib.strata_skinny_linear_pays.restype = ctypes.c_int
-        lib.strata_gemv_f32.argtypes = [ptr] * 4 + [i64] * 2
-        lib.strata_gemv_f32.restype = None
+        lib.strata_rows_linear_f32.argtypes = [ptr] * 4 + [i64] * 3
+        lib.strata_rows_linear_f32.restype = ctypes.c_int
         _lib = lib
         return lib
 

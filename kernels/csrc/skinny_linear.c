@@ -118,16 +118,23 @@ int strata_skinny_linear_pays(void) {
 #endif
 }
 
-/* One row: out[n] = sum_k x[k] * w[n, k] (+ bias[n]), fp32 (a batch-1 decode step's every matrix).
+/* A few rows with 8-lane vectors: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), fp32, 1 <= M <= 8.
  *
- * Such a step reads every weight once and does one multiply-add per weight: it is bound by how
- * fast the weights stream from memory. MKL's sgemv and oneDNN's packed weights read them at
- * 11-13 GB/s on an AVX2 EPYC whose plain `sum` over the same bytes runs at 19-22 GB/s. Here each
- * thread walks its share of the rows 8 at a time, one 8-lane accumulator per row: 8 independent
- * streams for the hardware prefetchers, 8 + 1 registers on AVX2's 16, K in steps of 8 with a
- * scalar tail. Measured there (2 threads, cold weights): Qwen3-0.6B's 151,936 x 1,024 LM head
- * 28-35 ms against oneDNN's 46-47 and MKL's 59; the bench model's 57 matrices 8.7 against 11.8-13.2
- * and 15.3-16.0 ms. The summation order is not MKL's (about 1e-6 relative). */
+ * A decode step of a small batch reads every weight once and does M multiply-adds with each: it
+ * is bound by how fast the weights stream from memory. MKL's sgemm and oneDNN's packed weights read
+ * them at 11-13 GB/s at one row on an AVX2 EPYC whose plain `sum` over the same bytes runs at
+ * 19-22 GB/s, and slower from two rows. Here each thread walks its share of the rows R at a time,
+ * one 8-lane accumulator per (row, input) pair: R independent streams for the hardware prefetchers,
+ * R x M accumulators + R weight vectors + 1 input vector within AVX2's 16 registers (R = 8 at one
+ * row, 4 at two, 3 at three and four, 2 at five, 1 from six), K in steps of 8 with a scalar tail.
+ * The same code serves AVX-512 builds (with 8 lanes). Measured there (2 threads, cold weights),
+ * the bench model's 57 matrices, ms per pass, kernel / oneDNN packed / MKL:
+ *
+ *     M = 1   9.6-10.4 / 13.4-18.8 / 18.2-18.6      M = 4   16.0 / 25.7-26.2 / 34.7-37.0
+ *     M = 2  11.9-13.1 / 19.3-20.6 / 27.9-32.9      M = 8   18.3-18.6 / 24.5-26.9 / 36.9
+ *
+ * and Qwen3-0.6B's 151,936 x 1,024 LM head at one row 28-35 ms against 46-47 and 59. The
+ * summation order is not MKL's (about 1e-6 relative). */
 typedef float v8 __attribute__((vector_size(32)));
 
 static inline v8 load8(const float *p) {
@@ -142,28 +149,66 @@ static inline float hsum8(v8 v) {
     return s;
 }
 
-static inline __attribute__((always_inline)) void gemv_tile(const float *x, const float *w, float *out,
-                                                            int64_t k_len, const int r_len) {
-    v8 acc[8];
-    for (int r = 0; r < r_len; r++) acc[r] = (v8){0};
+#define MAX_R8 8
+
+/* Weight rows w[0 .. r_len) (row stride k_len) against the m_len input rows of x; results into
+ * out[m * ldo + r]. Inlined with constant m_len and r_len. */
+static inline __attribute__((always_inline)) void tile8(const float *x, const float *w, float *out, int64_t ldo,
+                                                        int64_t k_len, const int m_len, const int r_len) {
+    v8 acc[MAX_R8][MAX_M];
+    for (int r = 0; r < r_len; r++)
+        for (int m = 0; m < m_len; m++) acc[r][m] = (v8){0};
     int64_t k = 0;
     for (; k + 8 <= k_len; k += 8) {
-        v8 xv = load8(x + k);
-        for (int r = 0; r < r_len; r++) acc[r] += load8(w + r * k_len + k) * xv;
+        v8 b[MAX_R8];
+        for (int r = 0; r < r_len; r++) b[r] = load8(w + r * k_len + k);
+        for (int m = 0; m < m_len; m++) {
+            v8 xv = load8(x + m * k_len + k);
+            for (int r = 0; r < r_len; r++) acc[r][m] += b[r] * xv;
+        }
     }
-    for (int r = 0; r < r_len; r++) {
-        float s = hsum8(acc[r]);
-        for (int64_t j = k; j < k_len; j++) s += w[r * k_len + j] * x[j];
-        out[r] = s;
-    }
+    for (int r = 0; r < r_len; r++)
+        for (int m = 0; m < m_len; m++) {
+            float s = hsum8(acc[r][m]);
+            for (int64_t j = k; j < k_len; j++) s += w[r * k_len + j] * x[m * k_len + j];
+            out[m * ldo + r] = s;
+        }
 }
 
-/* x [K], w [N, K], bias [N] or NULL, out [N]: contiguous fp32. */
-void strata_gemv_f32(const float *x, const float *w, const float *bias, float *out, int64_t n_len, int64_t k_len) {
-    int64_t tiles = n_len / 8;
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) gemv_tile(x, w + t * 8 * k_len, out + t * 8, k_len, 8);
-    for (int64_t n = tiles * 8; n < n_len; n++) gemv_tile(x, w + n * k_len, out + n, k_len, 1);
+#define DEFINE_RUN8(M, R)                                                                                 \
+    static void run8_##M(const float *x, const float *w, float *out, int64_t n_len, int64_t k_len) {     \
+        int64_t tiles = n_len / (R);                                                                      \
+        _Pragma("omp parallel for schedule(static)") for (int64_t t = 0; t < tiles; t++)                  \
+            tile8(x, w + t * (R) * k_len, out + t * (R), n_len, k_len, M, R);                             \
+        for (int64_t n = tiles * (R); n < n_len; n++) tile8(x, w + n * k_len, out + n, n_len, k_len, M, 1); \
+    }
+
+DEFINE_RUN8(1, 8)
+DEFINE_RUN8(2, 4)
+DEFINE_RUN8(3, 3)
+DEFINE_RUN8(4, 3)
+DEFINE_RUN8(5, 2)
+DEFINE_RUN8(6, 1)
+DEFINE_RUN8(7, 1)
+DEFINE_RUN8(8, 1)
+
+/* x [M, K], w [N, K], bias [N] or NULL, out [M, N]: contiguous fp32. Returns 0, or -1 when M is
+ * outside [1, 8] (nothing written). */
+int strata_rows_linear_f32(const float *x, const float *w, const float *bias, float *out, int64_t m_len,
+                           int64_t n_len, int64_t k_len) {
+    switch (m_len) {
+    case 1: run8_1(x, w, out, n_len, k_len); break;
+    case 2: run8_2(x, w, out, n_len, k_len); break;
+    case 3: run8_3(x, w, out, n_len, k_len); break;
+    case 4: run8_4(x, w, out, n_len, k_len); break;
+    case 5: run8_5(x, w, out, n_len, k_len); break;
+    case 6: run8_6(x, w, out, n_len, k_len); break;
+    case 7: run8_7(x, w, out, n_len, k_len); break;
+    case 8: run8_8(x, w, out, n_len, k_len); break;
+    default: return -1;
+    }
     if (bias)
-        for (int64_t n = 0; n < n_len; n++) out[n] += bias[n];
+        for (int64_t m = 0; m < m_len; m++)
+            for (int64_t n = 0; n < n_len; n++) out[m * n_len + n] += bias[n];
+    return 0;
 }

@@ -54,9 +54,9 @@ class WorkerConfig:
     packed_weights: Literal["auto", "on", "off"] = field(default="auto", metadata=_h(
         "CPU, fp32: decode steps multiply with oneDNN-packed copies of the linear weights (double the "
         "weights' memory); auto = where a pass over them at 2 rows measures >= 10% faster than MKL at start"))
-    gemv: Literal["auto", "on", "off"] = field(default="auto", metadata=_h(
-        "CPU, fp32: batch-1 decode steps multiply with the native one-row kernel; auto = where a pass over "
-        "the weights at one row measures >= 10% faster than without it at start"))
+    native_linear: Literal["auto", "on", "off"] = field(default="auto", metadata=_h(
+        "CPU, fp32: decode steps of 1-8 rows multiply with the native 8-lane kernel; auto = at the row counts "
+        "where a pass over the weights (at 1 row, at 4) measures >= 10% faster than without it at start"))
     cpus: str = field(default="", metadata=_h(
         "run on these CPUs only, e.g. 0-3 or 0,2 (the process and every thread it starts, the forward's "
         "included: replicas on one host on cores of their own); empty = wherever the OS schedules it"))

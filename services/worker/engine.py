@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
-from kernels.linear import few_rows, gemv_timing, mark_gemv, pack, packed_timing, unmark_gemv, unpack
+from kernels.linear import NATIVE_ROWS, few_rows, mark_native, native_timing, pack, packed_timing, unpack
 from services.common.step import (
     MAX_TOP_LOGPROBS,
     HostBackup,
@@ -117,7 +117,7 @@ class Engine:
         self.device = device
         self.model = model
         self._pack_weights()
-        self._choose_gemv()
+        self._choose_native_linear()
         backing = choose_backing(device)
         slot_bytes = self._make_pools(dtype, context, backing, l3)
         self.info = self._worker_info(model_dir, loaded, context, slot_bytes, backing)
@@ -154,26 +154,31 @@ class Engine:
                 return
         log.info("linear weights: oneDNN-packed copies for decode steps, +%.0f MiB (%s)", added / (1 << 20), how)
 
-    def _choose_gemv(self) -> None:
-        """The native one-row kernel for batch-1 decode steps (``kernels.linear.mark_gemv``): with
-        ``gemv`` on, or auto where a pass over the weights at one row measured at least
-        ``PACKED_GAIN`` times faster with it than as a decode step multiplies without it (the packed
-        copies where kept, else MKL). CPU and fp32 only."""
-        mode = self.cfg.gemv
+    def _choose_native_linear(self) -> None:
+        """The native 8-lane kernel for decode steps of 1-8 rows (``kernels.linear.mark_native``):
+        with ``native_linear`` on, or auto for one row where a pass over the weights at one row
+        measured at least ``PACKED_GAIN`` times faster with it than as a decode step multiplies
+        without it (the packed copies where kept, else MKL), and for 2-8 rows where a pass at 4 rows
+        did. CPU and fp32 only."""
+        mode = self.cfg.native_linear
         if mode == "off" or self.device.type != "cpu" or self.cfg.dtype != "float32":
             return
         model = cast(torch.nn.Module, self.model)
-        if not mark_gemv(model):
+        if not mark_native(model):
             return
-        how = "on"
+        rows, how = NATIVE_ROWS, "on"
         if mode == "auto":
-            other, native = gemv_timing(model)
-            how = f"a pass over them at 1 row: without {other * 1e3:.1f} ms, with {native * 1e3:.1f} ms"
-            if other < PACKED_GAIN * native:
-                unmark_gemv(model)
-                log.info("one-row products: no native kernel (%s)", how)
-                return
-        log.info("one-row products: the native kernel for batch-1 decode steps (%s)", how)
+            passes = {n: native_timing(model, n) for n in (1, 4)}
+            how = "; ".join(
+                f"{n} row(s): without {a * 1e3:.1f} ms, with {b * 1e3:.1f} ms" for n, (a, b) in passes.items()
+            )
+            faster = {n: a >= PACKED_GAIN * b for n, (a, b) in passes.items()}
+            rows = frozenset(r for r in NATIVE_ROWS if faster[1 if r == 1 else 4])
+            mark_native(model, rows)
+        if rows:
+            log.info("linear layers: the native kernel for decode steps of %s rows (%s)", sorted(rows), how)
+        else:
+            log.info("linear layers: no native kernel (%s)", how)
 
     def _make_pools(self, dtype: torch.dtype, context: int, backing: BackingChoice, l3: L3Port | None) -> int:
         """The KV pool and slot table, the Mamba pool of a hybrid model, the host tier; returns the

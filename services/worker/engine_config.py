@@ -66,17 +66,17 @@ class EngineConfig:
     # CPU, fp32: oneDNN-packed copies of the linear weights for decode steps (kernels/linear.py);
     # auto = where a pass over them at 2 rows measures >= 10 % faster than MKL.
     packed_weights: PackedWeights = "auto"
-    # CPU, fp32: one-row products (batch-1 decode steps) with the native kernel (kernels/linear.py);
-    # auto = where a pass over the weights at one row measures >= 10 % faster than without it.
-    gemv: PackedWeights = "auto"
+    # CPU, fp32: decode steps of 1-8 rows multiply with the native 8-lane kernel (kernels/linear.py);
+    # auto = at the row counts where a pass over the weights (at 1, at 4 rows) measures >= 10 % faster.
+    native_linear: PackedWeights = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.packed_weights not in get_args(PackedWeights):
             raise ValueError(f"EngineConfig.packed_weights must be auto, on or off, got {self.packed_weights!r}")
-        if self.gemv not in get_args(PackedWeights):
-            raise ValueError(f"EngineConfig.gemv must be auto, on or off, got {self.gemv!r}")
+        if self.native_linear not in get_args(PackedWeights):
+            raise ValueError(f"EngineConfig.native_linear must be auto, on or off, got {self.native_linear!r}")
         if self.kv_cache_bytes < 0 or not 0.0 <= self.kv_mem_fraction < 1.0:
             raise ValueError("EngineConfig.kv_cache_bytes must be >= 0 and kv_mem_fraction in [0, 1)")
         for name in ("max_rows", "page_size"):

@@ -185,7 +185,7 @@ def engine_config(cfg: WorkerConfig) -> EngineConfig:
         host_page_tokens=cfg.host_page_tokens,
         host_state_share=cfg.host_state_share,
         packed_weights=cfg.packed_weights,
-        gemv=cfg.gemv,
+        native_linear=cfg.native_linear,
         attention=cfg.attention,
         threads=cfg.threads or (len(cpu_list(cfg.cpus)) if cfg.cpus else 0),
         cuda_graph_max_batch=cfg.cuda_graph_max_batch,

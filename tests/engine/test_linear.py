@@ -15,18 +15,18 @@ import torch.nn.functional as F
 
 import kernels.linear
 from kernels.linear import (
-    GEMV,
+    NATIVE,
+    NATIVE_ROWS,
     PACKED,
     ROWS,
     Linear,
     few_rows,
-    gemv_timing,
     linear,
-    mark_gemv,
+    mark_native,
+    native_timing,
     pack,
     packed_timing,
     pays,
-    unmark_gemv,
     unpack,
 )
 from kernels.native import load
@@ -134,48 +134,53 @@ def test_packed_copies_serve_few_rows_steps_only() -> None:
     assert pack(model.double()) == 0  # fp64: not packed
 
 
-def test_gemv_matches_float64() -> None:
-    """The one-row kernel: N below, at and past its 8-row tile, K below, at and past its 8-lane step."""
+@pytest.mark.parametrize("rows", range(1, 9))
+def test_the_8_lane_kernel_matches_float64(rows: int) -> None:
+    """N below, at and past every tile height, K below, at and past the 8-lane step; M outside 1-8 refused."""
     lib = load()
     assert lib is not None
-    gen = torch.Generator().manual_seed(8)
-    for n, k, bias in itertools.product((1, 7, 8, 9, 67, 1000), (1, 7, 8, 9, 100, 512), (False, True)):
-        x, w = torch.randn(k, generator=gen), torch.randn(n, k, generator=gen)
+    gen = torch.Generator().manual_seed(8 + rows)
+    for n, k, bias in itertools.product((1, 2, 3, 7, 8, 9, 67), (1, 7, 8, 9, 100, 512), (False, True)):
+        x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
         b = torch.randn(n, generator=gen) if bias else None
-        out = torch.full((n,), float("nan"))
-        lib.strata_gemv_f32(x.data_ptr(), w.data_ptr(), 0 if b is None else b.data_ptr(), out.data_ptr(), n, k)
+        out = torch.full((rows, n), float("nan"))
+        rc = lib.strata_rows_linear_f32(x.data_ptr(), w.data_ptr(), 0 if b is None else b.data_ptr(), out.data_ptr(),
+                                        rows, n, k)  # fmt: skip
         want = F.linear(x.double(), w.double(), None if b is None else b.double())
         err = float((out.double() - want).abs().max())
-        assert err <= 1e-5 * (1 + float(want.abs().max())), (n, k, bias, err)
+        assert rc == 0 and err <= 1e-5 * (1 + float(want.abs().max())), (n, k, bias, err)
+    x, w, out = torch.randn(9, 4), torch.randn(3, 4), torch.zeros(9, 3)
+    assert lib.strata_rows_linear_f32(x.data_ptr(), w.data_ptr(), 0, out.data_ptr(), 9, 3, 4) == -1 and not out.any()
 
 
-def test_marked_weights_take_the_one_row_kernel_inside_few_rows_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``mark_gemv``: one row inside ``few_rows`` takes the kernel (within rounding of ``F.linear``,
-    before a packed copy); two rows, or one outside ``few_rows``, keep their path bit for bit."""
+def test_marked_weights_take_the_8_lane_kernel_at_their_row_counts_inside_few_rows_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``mark_native``: the row counts it was given take the kernel inside ``few_rows`` (within
+    rounding of ``F.linear``, before a packed copy); others, and any outside ``few_rows``, keep
+    their path (outside: ``F.linear`` bit for bit)."""
     gen = torch.Generator().manual_seed(4)
     model = torch.nn.Sequential(Linear(40, 48), Linear(48, 8, bias=False), torch.nn.Linear(8, 8))
-    assert mark_gemv(model) == 2 and not hasattr(model[2].weight, GEMV)  # torch's own Linear: not ours
+    assert mark_native(model, frozenset({1, 3})) == 2 and not hasattr(model[2].weight, NATIVE)  # torch's own Linear
     pack(model)
     w, b = model[0].weight, model[0].bias
     calls: list[int] = []
-    native = kernels.linear._gemv
-    monkeypatch.setattr(kernels.linear, "_gemv", lambda *a: calls.append(1) or native(*a))
-    x = torch.randn(1, 3, 40, generator=gen)[:, 1]  # not contiguous
-    with torch.inference_mode():
-        want = F.linear(x, w, b)
-        with few_rows(True):
-            got = linear(x, w, b)
-            assert len(calls) == 1
-            two = linear(torch.cat([x, x]), w, b)
-        assert torch.equal(linear(x, w, b), want)  # outside few_rows: torch's path
-    assert len(calls) == 1  # not for two rows, nor outside few_rows
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(two, F.linear(torch.cat([x, x]), w, b), rtol=1e-5, atol=1e-5)
-    other, native = gemv_timing(model, rounds=1)
-    assert other > 0 and native > 0
-    unmark_gemv(model)
-    assert not hasattr(w, GEMV) and not hasattr(model[1].weight, GEMV)
-    assert mark_gemv(model.double()) == 0  # fp64: not the kernel's
+    native = kernels.linear._rows
+    monkeypatch.setattr(kernels.linear, "_rows", lambda x, *a: calls.append(x.shape[0]) or native(x, *a))
+    for rows in range(1, 10):
+        x = torch.randn(rows, 3, 40, generator=gen)[:, 1]  # not contiguous
+        with torch.inference_mode():
+            with few_rows(True):
+                got = linear(x, w, b)
+            outside, want = linear(x, w, b), F.linear(x, w, b)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(outside, want)
+    assert calls == [1, 3]
+    other, native_s = native_timing(model, 2, rounds=1)
+    assert other > 0 and native_s > 0
+    assert mark_native(model, frozenset()) == 2 and all(not getattr(m.weight, NATIVE) for m in model[:2])
+    assert mark_native(model.double()) == 0  # fp64: not the kernel's
+    assert frozenset(range(1, 9)) == NATIVE_ROWS
 
 
 class _Counting:
@@ -200,7 +205,7 @@ def test_the_engine_uses_it_for_decodes_and_verify_passes_only(
     monkeypatch.setattr(kernels.linear, "pays", lambda: True)  # the engine's choice, on any machine
     # MKL and the kernel, not packed copies (which would take every few-rows step where they pay)
     eng = Engine(tiny_qwen3, EngineConfig(device=TEST_DEVICE, kv_cache_bytes=1 << 20, max_rows=8, packed_weights="off",
-                                          gemv="off"))  # fmt: skip
+                                          native_linear="off"))  # fmt: skip
     slots = iter(range(1, 1000))
     steps = iter(range(1, 100))
 
@@ -219,21 +224,22 @@ def test_the_engine_uses_it_for_decodes_and_verify_passes_only(
     assert step(new(1, [7], start=7), new(2, [7], start=7), new(5, [3, 4, 5])) == 0  # decodes + a chunk
 
 
-@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the one-row kernel is the CPU's")
-def test_batch_one_decodes_take_the_one_row_kernel_and_equal_transformers(
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the 8-lane kernel is the CPU's")
+def test_small_decode_batches_take_the_8_lane_kernel_and_equal_transformers(
     tiny_qwen3: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With ``gemv`` on, the steps where one request decodes alone take the kernel, and greedy
-    output stays transformers' for every request (chunked prefills and larger batches keep MKL)."""
+    """With ``native_linear`` on, decode steps of 1-3 requests take the 8-lane kernel, and greedy
+    output stays transformers' for every request (steps with a prefill chunk keep MKL)."""
     calls: list[int] = []
-    native = kernels.linear._gemv
-    monkeypatch.setattr(kernels.linear, "_gemv", lambda *a: calls.append(1) or native(*a))
-    eng = Engine(tiny_qwen3, EngineConfig(kv_cache_bytes=1 << 22, max_rows=4, packed_weights="off", gemv="on"))
+    native = kernels.linear._rows
+    monkeypatch.setattr(kernels.linear, "_rows", lambda x, *a: calls.append(x.shape[0]) or native(x, *a))
+    eng = Engine(tiny_qwen3, EngineConfig(kv_cache_bytes=1 << 22, max_rows=4, packed_weights="off",
+                                          native_linear="on"))  # fmt: skip
     rng = random.Random(5)
     prompts = [[rng.randrange(5, 700) for _ in range(rng.randrange(3, 30))] for _ in range(3)]
     lengths = [3, 6, 16]  # the last request decodes its last ten tokens alone
     outs, loop = h.run(eng, [h.Spec(p, n) for p, n in zip(prompts, lengths, strict=True)], LoopConfig(cache="radix"))
     for p, n, o in zip(prompts, lengths, outs, strict=True):
         assert o.ids == hf_greedy(tiny_qwen3, p, n, stop_at_eos=False)
-    assert calls, "no step took the one-row kernel"
+    assert {1, 2} <= set(calls), set(calls)  # alone, and two at once
     loop.batcher.mem.check_idle()
