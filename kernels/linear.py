@@ -115,25 +115,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The native kernel on ``x [M, K]`` (contiguous, M in ``ROWS``); ``weight`` and ``bias`` as
-    ``kernels.fused.usable`` takes them."""
-    lib = load()
-    assert lib is not None
-    out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
-    lib.strata_skinny_linear_f32(
-        x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0],
-        weight.shape[0], x.shape[1],
-    )  # fmt: skip
-    return out
+    """The 16-lane native kernel on ``x [M, K]`` (contiguous, M in ``ROWS``); ``weight`` and
+    ``bias`` as ``kernels.fused.usable`` takes them."""
+    return _native("strata_skinny_linear_f32", x, weight, bias)
 
 
 def _rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The native 8-lane kernel on ``x [M, K]`` (contiguous, M in ``NATIVE_ROWS``); ``weight`` and
+    """The 8-lane native kernel on ``x [M, K]`` (contiguous, M in ``NATIVE_ROWS``); ``weight`` and
     ``bias`` as ``mark_native`` marked them."""
+    return _native("strata_rows_linear_f32", x, weight, bias)
+
+
+def _native(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     lib = load()
     assert lib is not None
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
-    lib.strata_rows_linear_f32(
+    getattr(lib, name)(
         x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0],
         weight.shape[0], x.shape[1],
     )  # fmt: skip
