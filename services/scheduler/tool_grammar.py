@@ -22,7 +22,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from services.common.errors import InvalidArgument
 from services.common.json_grammar import JSON_MAX_WHITESPACE, valid_json_strings
@@ -34,8 +34,8 @@ if TYPE_CHECKING:  # xgrammar imports torch: loaded with the grammar backend (se
     from xgrammar import structural_tag as st
 
 ReasoningPrefix = Literal["none", "optional", "open"]
-FORMATS: tuple[ToolFormat, ...] = ("hermes", "qwen3_coder")
-PREFIXES: tuple[ReasoningPrefix, ...] = ("none", "optional", "open")
+FORMATS: tuple[ToolFormat, ...] = get_args(ToolFormat)
+PREFIXES: tuple[ReasoningPrefix, ...] = get_args(ReasoningPrefix)
 NO_PARAMETERS = '{"type": "object", "properties": {}}'  # a tool without parameters takes {}
 GRAMMAR_CACHE = 64  # agents send the same tools on every call: their grammar text is built once
 
