@@ -360,6 +360,9 @@ def test_etcd_restart_and_a_frozen_kvstore_do_not_stop_serving(tiny_qwen3: Path,
         with grpc.insecure_channel(s.child("tokenizer").address) as ch:
             api = pgrpc.StrataStub(ch)
             assert s.etcd is not None
+            # READY comes before the scheduler finds its worker through etcd: one request first,
+            # or etcd could go before that and leave the scheduler with no worker to find.
+            assert _run(api, _req("before etcd goes"))[-1].usage.completion_tokens == 8
             s.etcd.kill()
             assert _run(api, _req("while etcd is down"))[-1].usage.completion_tokens == 8
             s.etcd.start()
