@@ -17,10 +17,10 @@ ms), so they keep MKL.
 The kernel's results agree with ``F.linear``'s to rounding (~1e-6 relative: its summation order is
 not MKL's), so it is used only where the engine says so (``few_rows``, per step): in steps of
 decodes and verify passes, whose GEMMs already differ in shape, and so in rounding, from a
-reference's one-sequence decode. A prefill chunk keeps MKL: its logits are then bit for bit what
-transformers computes for the same chunk, which the hybrid model's tests rely on (a 7-token
-chunk moved 1.8e-4 from transformers' logits through the kernel; the bar is 1e-4). Everything else
-(other row counts, half precision, a GPU, no C compiler, autograd) keeps ``F.linear``.
+reference's one-sequence decode. A prefill chunk never takes the kernels (a 7-token chunk of the
+hybrid model moved 1.8e-4 from transformers' logits through the skinny kernel; the bar is 1e-4);
+it takes the packed copies below where the engine keeps them for prefill, else MKL. Everything
+else (other row counts, half precision, a GPU, no C compiler, autograd) keeps ``F.linear``.
 
 **The 8-lane kernel** (``mark_native``, ``kernels/csrc/skinny_linear.c: strata_rows_linear_f32``,
 1-8 rows): a small batch's decode step streams every weight once for a few multiply-adds each, and
@@ -34,14 +34,20 @@ Engine decode steps (512-token contexts, alternated, medians of 4), off -> on: t
 vocabulary on 4 layers 90.6 -> 58.1 ms at 1, 105.3 -> 82.7 at 2.
 
 **Packed weights** (``pack``): oneDNN's copy of a weight in its own blocked layout
-(``torch.ops.mkldnn._reorder_linear_weight``, what vLLM's CPU worker multiplies with), used, like
-the kernel, only inside ``few_rows`` (steps of decodes and verify passes), for every row count,
-where the engine has packed the model's weights (``EngineConfig.packed_weights``: by default where
-it measured them faster). On an AVX2-only EPYC (2 threads, the bench model's 57 matrices), ms per
-pass, MKL / packed: 12.0 / 9.3 at M = 1, 18.6 / 9.4 at 2, 21.6 / 11.3 at 4, 19.9 / 13.1 at 8,
-44.6 / 37.3 at 64, 126 / 113 at 256; on an AVX-512 Xeon the packed copies lost at one row (0.79x
-per decode step) and won only from M = 32 (1.1x). The copy doubles the weights' memory; a prefill
-chunk keeps MKL on the plain weight (its rounding, as above).
+(``torch.ops.mkldnn._reorder_linear_weight``, what vLLM's CPU worker multiplies with), used for
+the steps the engine packed them for (``PACKED_STEPS``): "decode", inside ``few_rows`` (steps of
+decodes and verify passes) for every row count the 8-lane kernel does not take; "prefill",
+outside it (every other forward: prefill chunks, mixed steps). ``EngineConfig.packed_weights``
+keeps them, by default, for each kind of step where a pass at its rows measured them faster. On an
+AVX2-only EPYC (2 threads, the bench model's 57 matrices), ms per pass, MKL / packed: 12.0 / 9.3
+at M = 1, 18.6 / 9.4 at 2, 21.6 / 11.3 at 4, 19.9 / 13.1 at 8, 44.6 / 37.3 at 64, 126 / 113 at
+256; one GEMM of a 1024-token chunk at Qwen3-0.6B's widths runs at 86-99 GFLOP/s through MKL and
+118-134 packed. Engine prefill steps of 4 x 256 tokens (alternated, medians of 4), MKL -> packed:
+the bench model 626 -> 537 ms, Qwen3-0.6B's widths on 4 layers 1751 -> 1252 ms. On an AVX-512
+Xeon the packed copies lost at one row (0.79x per decode step) and won only from M = 32 (1.1x).
+The copy doubles the weights' memory. Its rounding is oneDNN's, not MKL's: prefill logits move
+by ~1e-6 relative from transformers', within the bar (the engine tier's exactness tests, hybrid
+model included, pass with the copies on every step).
 
 The skinny kernel runs only where the build has AVX-512 (``pays``): it keeps 24 16-lane
 accumulators and 4 operands in registers, which AVX-512's 32 hold and AVX2's 16 do not. On an
@@ -59,7 +65,7 @@ import functools
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -94,23 +100,20 @@ def pays() -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [..., K]``, ``weight [N, K]``."""
-    if getattr(_scope, "on", False) and not torch.is_grad_enabled():
-        k = x.shape[-1]
-        rows = x.numel() // k if k else 0
-        if rows in getattr(weight, NATIVE, ()) and x.dtype == torch.float32 and x.device.type == "cpu":
-            return _rows(x.reshape(rows, k).contiguous(), weight, bias).view(*x.shape[:-1], weight.shape[0])
-        packed = getattr(weight, PACKED, None)
-        if packed is not None and x.dtype == torch.float32:
-            out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, k).contiguous(), packed, bias, "none", [], "")
-            return out.view(*x.shape[:-1], weight.shape[0])
-        if (
-            rows in ROWS
-            and pays()
-            and x.dtype == torch.float32
-            and x.device.type == "cpu"
-            and usable(weight, *(() if bias is None else (bias,)))
-        ):
-            return _few_rows(x.reshape(rows, k).contiguous(), weight, bias).view(*x.shape[:-1], weight.shape[0])
+    if torch.is_grad_enabled():
+        return F.linear(x, weight, bias)
+    decode = getattr(_scope, "on", False)
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    fp32_cpu = x.dtype == torch.float32 and x.device.type == "cpu"
+    if decode and rows in getattr(weight, NATIVE, ()) and fp32_cpu:
+        return _rows(x.reshape(rows, k).contiguous(), weight, bias).view(*x.shape[:-1], weight.shape[0])
+    packed = getattr(weight, PACKED, None)
+    if packed is not None and fp32_cpu and ("decode" if decode else "prefill") in getattr(weight, PACKED_STEPS, ()):
+        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, k).contiguous(), packed, bias, "none", [], "")
+        return out.view(*x.shape[:-1], weight.shape[0])
+    if decode and rows in ROWS and pays() and fp32_cpu and usable(weight, *(() if bias is None else (bias,))):
+        return _few_rows(x.reshape(rows, k).contiguous(), weight, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
@@ -138,22 +141,26 @@ def _native(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 PACKED = "strata_packed"  # the attribute of a weight Parameter that holds its oneDNN-packed copy
+PACKED_STEPS = "strata_packed_steps"  # on a packed weight: the steps that use the copy (in ``STEPS``)
+STEPS = frozenset({"decode", "prefill"})  # decode: inside ``few_rows``; prefill: any other forward
 NATIVE = "strata_native_rows"  # on a weight Parameter: the row counts whose products take ``_rows``
 NATIVE_ROWS = frozenset(range(1, 9))  # what the 8-lane kernel takes
 
 
-def pack(model: nn.Module) -> int:
-    """Give each fp32 CPU weight of ``model``'s ``Linear`` layers a oneDNN-packed copy, which
-    ``linear`` uses inside ``few_rows``; returns the bytes the copies take."""
+def pack(model: nn.Module, steps: frozenset[str] = STEPS) -> int:
+    """Give each fp32 CPU weight of ``model``'s ``Linear`` layers a oneDNN-packed copy (kept where
+    there is one), which ``linear`` uses in ``steps`` (a subset of ``STEPS``: inside ``few_rows``,
+    outside it); returns the bytes the copies take."""
     total = 0
     with torch.no_grad():
         for mod in model.modules():
-            if not isinstance(mod, Linear) or hasattr(mod.weight, PACKED):
+            w = mod.weight if isinstance(mod, Linear) else None
+            if w is None or w.dtype != torch.float32 or w.device.type != "cpu":
                 continue
-            w = mod.weight
-            if w.dtype == torch.float32 and w.device.type == "cpu":
+            if not hasattr(w, PACKED):
                 setattr(w, PACKED, torch.ops.mkldnn._reorder_linear_weight(w.detach()))
-                total += w.numel() * w.element_size()
+            setattr(w, PACKED_STEPS, steps & STEPS)
+            total += w.numel() * w.element_size()
     return total
 
 
@@ -162,6 +169,7 @@ def unpack(model: nn.Module) -> None:
     for mod in model.modules():
         if isinstance(mod, Linear) and hasattr(mod.weight, PACKED):
             delattr(mod.weight, PACKED)
+            delattr(mod.weight, PACKED_STEPS)
 
 
 def mark_native(model: nn.Module, rows: frozenset[int] = NATIVE_ROWS) -> int:
@@ -182,12 +190,16 @@ def mark_native(model: nn.Module, rows: frozenset[int] = NATIVE_ROWS) -> int:
     return marked
 
 
-def packed_timing(model: nn.Module, rows: int = 2, rounds: int = 3) -> tuple[float, float]:
-    """Seconds for one pass over every packed weight of ``model`` at ``rows`` rows (a small
-    decode batch: the weights read from memory once), with MKL on the plain weights and with the
-    packed copies; medians of ``rounds`` alternated passes of each (after one of each to warm up)."""
+def packed_timing(
+    model: nn.Module, rows: int = 2, rounds: int = 3, skip: Collection[nn.Module] = ()
+) -> tuple[float, float]:
+    """Seconds for one pass over every packed weight of ``model`` (but those of the layers in
+    ``skip``) at ``rows`` rows (2: a small decode batch, the weights read from memory once; 64: a
+    prefill chunk), with MKL on the plain weights and with the packed copies; medians of ``rounds``
+    alternated passes of each (after one of each to warm up)."""
     pairs = [(m.weight, getattr(m.weight, PACKED)) for m in model.modules()
-             if isinstance(m, Linear) and getattr(m.weight, PACKED, None) is not None]  # fmt: skip
+             if isinstance(m, Linear) and getattr(m.weight, PACKED, None) is not None
+             and not any(m is s for s in skip)]  # fmt: skip
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w, _ in pairs}
 
     def mkl() -> None:
@@ -211,7 +223,7 @@ def native_timing(model: nn.Module, rows: int, rounds: int = 3) -> tuple[float, 
     def other() -> None:
         for w in weights:
             p = getattr(w, PACKED, None)
-            if p is not None:
+            if p is not None and "decode" in getattr(w, PACKED_STEPS, ()):
                 torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
             else:
                 F.linear(inputs[w.shape[1]], w)

@@ -52,8 +52,9 @@ class WorkerConfig:
         "each request on its own; reference = the slow torch reference (for comparison)"))
     threads: int = field(default=0, metadata=_h("torch threads for the forward; 0 = one per core (of --cpus)"))
     packed_weights: Literal["auto", "on", "off"] = field(default="auto", metadata=_h(
-        "CPU, fp32: decode steps multiply with oneDNN-packed copies of the linear weights (double the "
-        "weights' memory); auto = where a pass over them at 2 rows measures >= 10% faster than MKL at start"))
+        "CPU, fp32: decode steps and prefill chunks multiply with oneDNN-packed copies of the linear weights "
+        "(double the weights' memory); auto = each where a pass over them at its rows (2 for decode steps, 64 "
+        "for prefill chunks) measures >= 10% faster than MKL at start"))
     native_linear: Literal["auto", "on", "off"] = field(default="auto", metadata=_h(
         "CPU, fp32: decode steps of 1-8 rows multiply with the native 8-lane kernel; auto = at the row counts "
         "where a pass over the weights (at 1 row, at 4) measures >= 10% faster than without it at start"))

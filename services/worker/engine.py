@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
-from kernels.linear import NATIVE_ROWS, few_rows, mark_native, native_timing, pack, packed_timing, unpack
+from kernels.linear import NATIVE_ROWS, STEPS, few_rows, mark_native, native_timing, pack, packed_timing, unpack
 from services.common.step import (
     MAX_TOP_LOGPROBS,
     HostBackup,
@@ -88,6 +88,7 @@ if TYPE_CHECKING:
 __all__ = ["Engine", "EngineConfig"]
 log = logging.getLogger(__name__)
 PACKED_GAIN = 1.1  # packed_weights=auto: how much faster the packed copies must measure to be kept
+PREFILL_TIMING_ROWS = 64  # packed_weights=auto: the rows of the pass that stands for a prefill chunk
 
 
 class Engine:
@@ -131,9 +132,11 @@ class Engine:
         self._last_end: float | None = None
 
     def _pack_weights(self) -> None:
-        """oneDNN-packed copies of the linear weights for decode steps (``kernels.linear.pack``):
-        with ``packed_weights`` on, or auto where a pass over them at 2 rows (a small decode batch)
-        measured at least ``PACKED_GAIN`` times faster than MKL's. CPU and fp32 only."""
+        """oneDNN-packed copies of the linear weights (``kernels.linear.pack``), for decode steps and
+        for prefill chunks: with ``packed_weights`` on, both; auto, each where a pass over the weights
+        measured at least ``PACKED_GAIN`` times faster than MKL's: at 2 rows (a small decode batch)
+        for decode steps, at ``PREFILL_TIMING_ROWS`` rows over all but the LM head (which a prefill
+        multiplies at its sampled rows only) for prefill chunks. CPU and fp32 only."""
         mode = self.cfg.packed_weights
         if mode == "off" or self.device.type != "cpu" or self.cfg.dtype != "float32":
             return
@@ -144,15 +147,23 @@ class Engine:
         added = pack(model)
         if not added:  # no fp32 linear layer of ours: nothing to choose between
             return
-        how = "on"
+        steps, how = STEPS, "on"
         if mode == "auto":
-            mkl, packed = packed_timing(model)
-            how = f"a pass over them at 2 rows: MKL {mkl * 1e3:.1f} ms, packed {packed * 1e3:.1f} ms"
-            if mkl < PACKED_GAIN * packed:
+            head = getattr(model, "lm_head", None)
+            body = (head,) if head is not None else ()
+            rows = PREFILL_TIMING_ROWS
+            passes = {"decode": (2, packed_timing(model)), "prefill": (rows, packed_timing(model, rows, skip=body))}
+            how = "a pass over them at " + "; ".join(
+                f"{rows} rows: MKL {mkl * 1e3:.1f} ms, packed {p * 1e3:.1f} ms" for rows, (mkl, p) in passes.values()
+            )
+            steps = frozenset(step for step, (_, (mkl, p)) in passes.items() if mkl >= PACKED_GAIN * p)
+            if not steps:
                 unpack(model)
                 log.info("linear weights: MKL for every step (%s)", how)
                 return
-        log.info("linear weights: oneDNN-packed copies for decode steps, +%.0f MiB (%s)", added / (1 << 20), how)
+            pack(model, steps)
+        log.info("linear weights: oneDNN-packed copies for %s steps, +%.0f MiB (%s)",
+                 " and ".join(sorted(steps)), added / (1 << 20), how)  # fmt: skip
 
     def _choose_native_linear(self) -> None:
         """The native 8-lane kernel for decode steps of 1-8 rows (``kernels.linear.mark_native``):

@@ -63,8 +63,9 @@ class EngineConfig:
     cuda_graph_max_batch: int = 256
     draft_model: str = ""  # speculative decoding: a draft checkpoint with the target's tokenizer
     mtp: bool = False  # speculative decoding: draft with the checkpoint's own MTP head (Qwen3-Next)
-    # CPU, fp32: oneDNN-packed copies of the linear weights for decode steps (kernels/linear.py);
-    # auto = where a pass over them at 2 rows measures >= 10 % faster than MKL.
+    # CPU, fp32: oneDNN-packed copies of the linear weights for decode steps and prefill chunks
+    # (kernels/linear.py); auto = each where a pass over them at its rows (2, 64) measures >= 10 %
+    # faster than MKL.
     packed_weights: PackedWeights = "auto"
     # CPU, fp32: decode steps of 1-8 rows multiply with the native 8-lane kernel (kernels/linear.py);
     # auto = at the row counts where a pass over the weights (at 1, at 4 rows) measures >= 10 % faster.

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.linear import PACKED
+from kernels.linear import PACKED, PACKED_STEPS, STEPS
 from services.common.step import (
     GREEDY,
     MambaCopy,
@@ -197,14 +197,16 @@ def test_greedy_64_tokens_equals_generate(engine: Engine, ckpt: Ckpt, overlap: b
 
 @pytest.mark.parametrize("packed", ["on", "off"])
 def test_decode_with_packed_weights_matches_transformers(ckpt: Ckpt, packed: str) -> None:
-    """Decode steps multiply with oneDNN-packed copies of the weights (``packed_weights``, CPU
-    fp32: kernels/linear.py) or with MKL on the plain ones; either way within the bar of
-    transformers, and greedy output equal to ``generate``."""
+    """Decode steps and prefill chunks multiply with oneDNN-packed copies of the weights
+    (``packed_weights``, CPU fp32: kernels/linear.py) or with MKL on the plain ones; either way
+    within the bar of transformers, and greedy output equal to ``generate``."""
     cfg = EngineConfig(device=TEST_DEVICE, kv_cache_bytes=2 << 20, max_rows=MAX_ROWS, max_context=512,
                        packed_weights=packed)  # fmt: skip
     engine = Engine(ckpt.path, cfg)
     has_copies = [hasattr(p, PACKED) for name, p in engine.model.named_parameters() if name.endswith("proj.weight")]
     assert has_copies and all(has_copies) == (packed == "on" and TEST_DEVICE == "cpu"), has_copies
+    steps = {getattr(p, PACKED_STEPS, None) for name, p in engine.model.named_parameters() if hasattr(p, PACKED)}
+    assert steps <= {STEPS}  # "on": decode steps and prefill chunks
     test_decode_steps(engine, ckpt)
     test_greedy_64_tokens_equals_generate(engine, ckpt, overlap=False)
 

@@ -18,7 +18,9 @@ from kernels.linear import (
     NATIVE,
     NATIVE_ROWS,
     PACKED,
+    PACKED_STEPS,
     ROWS,
+    STEPS,
     Linear,
     few_rows,
     linear,
@@ -106,31 +108,47 @@ def test_linear_dispatch_agrees_with_torch() -> None:
     assert set(dict(layer.named_parameters())) == {"weight", "bias"}  # the checkpoint's names
 
 
-def test_packed_copies_serve_few_rows_steps_only() -> None:
+def test_packed_copies_serve_the_steps_they_were_packed_for() -> None:
     """``pack``: each fp32 weight of the model's ``Linear`` layers gets a oneDNN-packed copy, which
-    ``linear`` uses inside ``few_rows`` for any row count (within rounding of ``F.linear``) and
-    never outside it (bit for bit ``F.linear``); ``unpack`` drops them."""
+    ``linear`` uses for the steps given: "decode" inside ``few_rows``, "prefill" outside it, at any
+    row count (within rounding of ``F.linear``); a step not given is bit for bit ``F.linear``.
+    ``unpack`` drops them."""
     gen = torch.Generator().manual_seed(3)
     model = torch.nn.Sequential(Linear(40, 48), Linear(48, 8, bias=False), torch.nn.Linear(8, 8))
     added = pack(model)
     assert added == (48 * 40 + 8 * 48) * 4
     assert hasattr(model[0].weight, PACKED) and not hasattr(model[2].weight, PACKED)  # torch's own Linear: not ours
-    for rows in (1, 2, 5, 9, 70):
-        x = torch.randn(rows, 3, 40, generator=gen)[:, 1]  # not contiguous
+    assert getattr(model[0].weight, PACKED_STEPS) == STEPS == {"decode", "prefill"}
+    w, b = model[0].weight, model[0].bias
+    used = 0
+    for steps in (STEPS, frozenset({"decode"}), frozenset({"prefill"})):
+        assert pack(model, steps) == added  # the copies are kept, their steps set again
+        for rows in (1, 2, 5, 9, 70):
+            x = torch.randn(rows, 3, 40, generator=gen)[:, 1]  # not contiguous
+            with torch.inference_mode():
+                want = F.linear(x, w, b)
+                with few_rows(True):
+                    inside = linear(x, w, b)
+                outside = linear(x, w, b)
+            for step, got in (("decode", inside), ("prefill", outside)):
+                if step in steps:
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                    used += 1
+                elif step == "prefill" or not kernels.linear.pays():  # inside: the skinny kernel where it pays
+                    assert torch.equal(got, want), (steps, step, rows)
         with torch.inference_mode():
-            want = F.linear(x, model[0].weight, model[0].bias)
-            with few_rows(True):
-                got = linear(x, model[0].weight, model[0].bias)
-            outside = linear(x, model[0].weight, model[0].bias)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        assert torch.equal(outside, want)
+            x = torch.randn(70, 40, generator=gen)
+            packed_out = torch.ops.mkldnn._linear_pointwise(x, getattr(w, PACKED), b, "none", [], "")
+            with few_rows("decode" in steps):
+                assert torch.equal(linear(x, w, b), packed_out)  # the copy, for the step it was packed for
+    assert used == 5 * 4
     x3 = torch.randn(2, 3, 48, generator=gen)
     with torch.inference_mode(), few_rows(True):
         torch.testing.assert_close(linear(x3, model[1].weight), F.linear(x3, model[1].weight), rtol=1e-5, atol=1e-5)
     mkl, packed = packed_timing(model, rows=2, rounds=1)
     assert mkl > 0 and packed > 0
     unpack(model)
-    assert not hasattr(model[0].weight, PACKED) and not hasattr(model[1].weight, PACKED)
+    assert not any(hasattr(m.weight, a) for m in model[:2] for a in (PACKED, PACKED_STEPS))
     assert pack(model.double()) == 0  # fp64: not packed
 
 
@@ -162,7 +180,7 @@ def test_marked_weights_take_the_8_lane_kernel_at_their_row_counts_inside_few_ro
     gen = torch.Generator().manual_seed(4)
     model = torch.nn.Sequential(Linear(40, 48), Linear(48, 8, bias=False), torch.nn.Linear(8, 8))
     assert mark_native(model, frozenset({1, 3})) == 2 and not hasattr(model[2].weight, NATIVE)  # torch's own Linear
-    pack(model)
+    pack(model, frozenset({"decode"}))
     w, b = model[0].weight, model[0].bias
     calls: list[int] = []
     native = kernels.linear._rows
