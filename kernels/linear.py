@@ -38,7 +38,8 @@ vocabulary on 4 layers 90.6 -> 58.1 ms at 1, 105.3 -> 82.7 at 2.
 the steps the engine packed them for (``PACKED_STEPS``): "decode", inside ``few_rows`` (steps of
 decodes and verify passes) for every row count the 8-lane kernel does not take; "prefill",
 outside it (every other forward: prefill chunks, mixed steps). ``EngineConfig.packed_weights``
-keeps them, by default, for each kind of step where a pass at its rows measured them faster. On an
+keeps them, by default, for each kind of step where a pass at its rows measured them faster (the
+engine, ``_pack_weights``, says by how much). On an
 AVX2-only EPYC (2 threads, the bench model's 57 matrices), ms per pass, MKL / packed: 12.0 / 9.3
 at M = 1, 18.6 / 9.4 at 2, 21.6 / 11.3 at 4, 19.9 / 13.1 at 8, 44.6 / 37.3 at 64, 126 / 113 at
 256; one GEMM of a 1024-token chunk at Qwen3-0.6B's widths runs at 86-99 GFLOP/s through MKL and

@@ -34,7 +34,7 @@ from kernels.linear import (
 from kernels.native import load
 from services.common.step import ReqInput, StepRequest
 from services.scheduler.loop import LoopConfig
-from services.worker.engine import Engine, EngineConfig
+from services.worker.engine import Engine, EngineConfig, packed_steps
 from tests import sched_harness as h
 from tests.device import TEST_DEVICE
 from tests.reference import hf_greedy
@@ -261,3 +261,13 @@ def test_small_decode_batches_take_the_8_lane_kernel_and_equal_transformers(
         assert o.ids == hf_greedy(tiny_qwen3, p, n, stop_at_eos=False)
     assert {1, 2} <= set(calls), set(calls)  # alone, and two at once
     loop.batcher.mem.check_idle()
+
+
+def test_packed_copies_are_kept_per_step_where_they_measured_faster() -> None:
+    """``packed_weights=auto``: each kind of step keeps the copies at a 10 % gain; prefill chunks at
+    no loss where decode steps keep them anyway, else at the same 10 %."""
+    assert packed_steps(2.0, 1.3) == {"decode", "prefill"}
+    assert packed_steps(2.0, 1.02) == {"decode", "prefill"}  # the copies are there: not slower is enough
+    assert packed_steps(2.0, 0.95) == {"decode"}
+    assert packed_steps(1.05, 1.3) == {"prefill"}
+    assert packed_steps(1.05, 1.05) == frozenset()  # no copies for 5 %: they double the weights' memory
