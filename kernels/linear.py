@@ -111,8 +111,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return _rows(x.reshape(rows, k).contiguous(), weight, bias).view(*x.shape[:-1], weight.shape[0])
     packed = getattr(weight, PACKED, None)
     if packed is not None and fp32_cpu and ("decode" if decode else "prefill") in getattr(weight, PACKED_STEPS, ()):
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, k).contiguous(), packed, bias, "none", [], "")
-        return out.view(*x.shape[:-1], weight.shape[0])
+        return _packed(x.reshape(-1, k).contiguous(), packed, bias).view(*x.shape[:-1], weight.shape[0])
     if decode and rows in ROWS and pays() and fp32_cpu and usable(weight, *(() if bias is None else (bias,))):
         return _few_rows(x.reshape(rows, k).contiguous(), weight, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
@@ -128,6 +127,11 @@ def _rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
     """The 8-lane native kernel on ``x [M, K]`` (contiguous, M in ``NATIVE_ROWS``); ``weight`` and
     ``bias`` as ``mark_native`` marked them."""
     return _native("strata_rows_linear_f32", x, weight, bias)
+
+
+def _packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [M, K]`` (contiguous) times a weight's oneDNN-packed copy (``pack``), plus ``bias``."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def _native(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -209,7 +213,7 @@ def packed_timing(
 
     def packed() -> None:
         for w, p in pairs:
-            torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
+            _packed(inputs[w.shape[1]], p, None)
 
     return _alternated(mkl, packed, rounds)
 
@@ -225,7 +229,7 @@ def native_timing(model: nn.Module, rows: int, rounds: int = 3) -> tuple[float, 
         for w in weights:
             p = getattr(w, PACKED, None)
             if p is not None and "decode" in getattr(w, PACKED_STEPS, ()):
-                torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
+                _packed(inputs[w.shape[1]], p, None)
             else:
                 F.linear(inputs[w.shape[1]], w)
 
