@@ -25,6 +25,7 @@ from strata.scheduler.v1 import scheduler_pb2_grpc as sgrpc
 from strata.v1 import strata_pb2 as pb
 from strata.v1 import strata_pb2_grpc as pgrpc
 from tests import streams
+from tests.hicache_stack import wait_l3_pages, worker_info
 
 QUIET = {"say": lambda _: None}
 # No host tier: the tree is paged by the worker's page size and the routing keys by 16 tokens.
@@ -131,9 +132,11 @@ def test_shared_l3_then_a_killed_replicas_streams_resume_on_the_other_and_it_rej
 ) -> None:
     """Round-robin over two replicas that share one kvstore (L3 on): a prompt computed on one is
     prefetched by the other. Then one replica is SIGKILLed under streaming load (its streams go on
-    on the other) and restarted."""
+    on the other) and restarted. (The admission's L3 lookup gets 2 s instead of its 50 ms default:
+    under the suite's load a slow answer would count as a miss, and sharing is what is tested.)"""
     l3 = ("--host-cache-bytes", "8MiB", "--host-page-tokens", "64", "--l3", "true")
-    s = start_stack(tiny_qwen3, free_port(), tmp_path, worker_args=l3, scheduler_args=("--worker-wait-s", "2"),
+    sched = ("--worker-wait-s", "2", "--l3-lookup-timeout-s", "2")
+    s = start_stack(tiny_qwen3, free_port(), tmp_path, worker_args=l3, scheduler_args=sched,
                     tokenizer_args=("--router-policy", "round_robin"), replicas=2, **QUIET)  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     rng = random.Random(4)
@@ -145,7 +148,9 @@ def test_shared_l3_then_a_killed_replicas_streams_resume_on_the_other_and_it_rej
             prompt = _ids(rng, 300)
             loads = [_load(s.child(n).address).prompt_tokens for n in ("scheduler", "scheduler-1")]
             assert _gen(api, prompt)[1] == 0
-            time.sleep(1.5)  # the pages are backed up to the host pool and put to the kvstore
+            # The pages are backed up to the host pool and put to the kvstore asynchronously: wait
+            # until the store holds them (a fixed 1.5 s was once too short on a loaded machine).
+            wait_l3_pages([s.child("kvstore").address], [prompt], worker_info(s))
             _, cached = _gen(api, prompt)
             after = [_load(s.child(n).address).prompt_tokens for n in ("scheduler", "scheduler-1")]
             assert [a > b for a, b in zip(after, loads, strict=True)] == [True, True], (loads, after)
