@@ -25,7 +25,7 @@ from strata.scheduler.v1 import scheduler_pb2_grpc as sgrpc
 from strata.v1 import strata_pb2 as pb
 from strata.v1 import strata_pb2_grpc as pgrpc
 from tests import streams
-from tests.hicache_stack import wait_l3_pages, worker_info
+from tests.hicache_stack import PAGE_TOKENS, wait_l3_pages, worker_info
 
 QUIET = {"say": lambda _: None}
 # No host tier: the tree is paged by the worker's page size and the routing keys by 16 tokens.
@@ -134,7 +134,7 @@ def test_shared_l3_then_a_killed_replicas_streams_resume_on_the_other_and_it_rej
     prefetched by the other. Then one replica is SIGKILLed under streaming load (its streams go on
     on the other) and restarted. (The admission's L3 lookup gets 2 s instead of its 50 ms default:
     under the suite's load a slow answer would count as a miss, and sharing is what is tested.)"""
-    l3 = ("--host-cache-bytes", "8MiB", "--host-page-tokens", "64", "--l3", "true")
+    l3 = ("--host-cache-bytes", "8MiB", "--host-page-tokens", str(PAGE_TOKENS), "--l3", "true")
     sched = ("--worker-wait-s", "2", "--l3-lookup-timeout-s", "2")
     s = start_stack(tiny_qwen3, free_port(), tmp_path, worker_args=l3, scheduler_args=sched,
                     tokenizer_args=("--router-policy", "round_robin"), replicas=2, **QUIET)  # fmt: skip
@@ -154,7 +154,7 @@ def test_shared_l3_then_a_killed_replicas_streams_resume_on_the_other_and_it_rej
             _, cached = _gen(api, prompt)
             after = [_load(s.child(n).address).prompt_tokens for n in ("scheduler", "scheduler-1")]
             assert [a > b for a, b in zip(after, loads, strict=True)] == [True, True], (loads, after)
-            assert cached == (len(prompt) - 1) // 64 * 64, cached  # every whole host page, from L3
+            assert cached == (len(prompt) - 1) // PAGE_TOKENS * PAGE_TOKENS, cached  # every whole host page, from L3
 
             # A replica SIGKILLed under 16 streams: those it ran resume on the survivor from the
             # tokens they had, with the tokens of an uninterrupted run (greedy, seeded, grammar).
