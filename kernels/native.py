@@ -2,8 +2,9 @@
 
 Torch has no CPU kernel that attends a query to keys scattered over a slot-indexed pool: the torch
 path must gather them into a dense copy first, which writes and reads every key and value once more
-than the attention itself. ``paged_decode`` reads them in place (``kernels/csrc/paged_decode.c``,
-OpenMP over requests, each slot's K / V row read once for every head).
+than the attention itself. ``paged_attend`` reads them in place (``kernels/csrc/paged_decode.c``,
+OpenMP over chunks of segments, each slot's K / V row read once for every head and every query
+token of its segment: a decode's own range, or a prefix group's shared run for all its decodes).
 
 The library is compiled (fast math in the compile step only, see ``_VARIANTS``) on first use, or
 by ``python -m kernels.native``, which ``make install`` runs, into ``kernels/_build/`` (git-ignored;
@@ -115,10 +116,10 @@ def load() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(path))
         if not subnormals_survive():
             log.error("loading %s turned on flush-to-zero for this process; rebuild it without fast math", path)
-        fn = lib.strata_paged_decode_f32
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
-        fn.restype = ctypes.c_int
         ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        fn = lib.strata_paged_attend_f32
+        fn.argtypes = [ptr] * 4 + [i64] + [ptr] * 4 + [i64] * 4 + [f32, ptr, ptr]
+        fn.restype = ctypes.c_int
         lib.strata_silu_mul_f32.argtypes = [ptr, ptr, i64]
         lib.strata_add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32]
         lib.strata_rms_norm_rope_f32.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, ptr, i64]
@@ -149,40 +150,67 @@ def paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
     ends: torch.Tensor, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query per request over its own slots, read in place.
+    """One query per request over its own slots, read in place: ``paged_attend`` with one segment
+    per request.
 
-    ``q [B, Hq, D]``, ``k_cache, v_cache [S, Hkv, D]`` fp32 CPU; ``slots`` int64, any shape,
-    contiguous (request ``b`` reads the flat elements ``starts[b]:ends[b]`` of it: a concatenation
-    of ranges, or the slot table itself with each request pointing into its own row); ``starts``,
-    ``ends`` ``[B]`` int64. Each range is non-empty and inside ``slots`` and every slot ``< S``: the
-    caller's plan guarantees it, nothing is checked per slot. Returns ``(out [B, Hq, D] fp32,
-    lse [B, Hq] fp32)``.
+    ``q [B, Hq, D]``; request ``b`` reads the flat elements ``starts[b]:ends[b]`` of ``slots``.
+    Returns ``(out [B, Hq, D] fp32, lse [B, Hq] fp32)``.
+    """
+    batch, hq, d = q.shape
+    if starts.numel() != batch or ends.numel() != batch:
+        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, {starts.numel()} starts and {ends.numel()} "
+                         f"ends for {batch} requests")
+    out = torch.empty((batch, hq, d), dtype=torch.float32)
+    lse = torch.empty((batch, hq), dtype=torch.float32)
+    each = torch.arange(batch + 1, dtype=torch.int64)
+    paged_attend(q, k_cache, v_cache, slots, starts, ends, each, each[:-1], scale, out, lse)
+    return out, lse
+
+
+def paged_attend(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, seg_starts: torch.Tensor,
+    seg_ends: torch.Tensor, seg_ptr: torch.Tensor, seg_tokens: torch.Tensor, scale: float, out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """Queries over segments of slots read in place, without a causal mask (``kernels/csrc/paged_decode.c``).
+
+    ``q [T, Hq, D]``, ``k_cache, v_cache [S, Hkv, D]`` fp32 CPU; ``slots`` int64, any shape,
+    contiguous: segment ``s`` reads its flat elements ``seg_starts[s]:seg_ends[s]`` (a concatenation
+    of ranges, or the slot table itself with each segment pointing into a row) and is attended by the
+    tokens ``seg_tokens[seg_ptr[s]:seg_ptr[s + 1]]`` (indices into ``q``). Writes, for every token
+    some segment names, the attention over all its segments' slots into ``out [T, Hq, D]`` and its
+    log-sum-exp into ``lse [T, Hq]`` (both fp32); other rows are left as they were. Each range is
+    non-empty and inside ``slots`` and every slot ``< S``: the caller's plan guarantees it, nothing
+    is checked per slot.
     """
     lib = load()
     if lib is None:
         raise RuntimeError("native CPU kernels are not available (see kernels.native)")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out), ("lse", lse)):
         if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous fp32 CPU tensor, got {t.dtype} on {t.device}")
-    for name, t in (("slots", slots), ("starts", starts), ("ends", ends)):
+    for name, t in (("slots", slots), ("starts", seg_starts), ("ends", seg_ends), ("seg_ptr", seg_ptr),
+                    ("seg_tokens", seg_tokens)):
         if t.dtype != torch.int64 or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"{name} must be a contiguous int64 CPU tensor")
-    batch, hq, d = q.shape
+    tokens, hq, d = q.shape
     hkv = k_cache.shape[1]
-    if k_cache.shape[2] != d or hq % hkv or starts.numel() != batch or ends.numel() != batch \
-            or v_cache.shape != k_cache.shape:
+    nseg = seg_starts.numel()
+    if k_cache.shape[2] != d or hq % hkv or seg_ends.numel() != nseg or seg_ptr.numel() != nseg + 1 \
+            or v_cache.shape != k_cache.shape or out.shape != q.shape or lse.shape != q.shape[:2]:
         raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
-                         f"{starts.numel()} starts and {ends.numel()} ends for {batch} requests")
-    out = torch.empty((batch, hq, d), dtype=torch.float32)
-    lse = torch.empty((batch, hq), dtype=torch.float32)
-    if batch:
-        rc = lib.strata_paged_decode_f32(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), starts.data_ptr(),
-            ends.data_ptr(), batch, hq, hkv, d, float(scale), out.data_ptr(), lse.data_ptr(),
-        )
-        if rc != 0:
-            raise MemoryError("native paged decode could not allocate its scratch buffers")
-    return out, lse
+                         f"{nseg} starts, {seg_ends.numel()} ends, {seg_ptr.numel()} segment pointers")
+    if nseg == 0:
+        return
+    rc = lib.strata_paged_attend_f32(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), nseg, seg_starts.data_ptr(),
+        seg_ends.data_ptr(), seg_ptr.data_ptr(), seg_tokens.data_ptr(), tokens, hq, hkv, d, float(scale),
+        out.data_ptr(), lse.data_ptr(),
+    )
+    if rc == -2:
+        raise ValueError(f"seg_tokens names a token outside q's {tokens}")
+    if rc != 0:
+        raise MemoryError("native paged attention could not allocate its scratch buffers")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ neither:
 * every pass runs in the fused flash-attention kernel of torch's CPU backend
   (``aten._scaled_dot_product_flash_attention_for_cpu``: blocked, online softmax, GQA without copies,
   and it returns the log-sum-exp that lets passes be merged exactly), except decodes with fp32 pools,
-  which read their own range in place with the native paged decode (``kernels.native``);
+  which read their own range in place with the native paged kernel (``kernels.native.paged_attend``),
+  and, in the same call, the shared run of every prefix group whose members are all decodes (read
+  once for the group; the kernel merges each decode's segments itself);
 * a request's **own** pass reads only what is its own: a decode reads ``[kv_start, seq_len)`` of its
   row (natively in place; else gathered by ``index_select`` of whole slot rows, requests bucketed by
   length so padding stays small, a long leading contiguous run read as a view); a prefill chunk
@@ -61,12 +63,15 @@ class DecodeBucket:
 
 @dataclass(frozen=True, slots=True)
 class PagedDecodes:
-    """Every decode's own range, read in place by the native kernel (``kernels.native``)."""
+    """The decodes, read in place by the native kernel (``kernels.native.paged_attend``) as segments
+    of the slot table: each decode's own range, and the shared run of each prefix group whose
+    members are all decodes, read once for the whole group."""
 
-    tokens: torch.Tensor  # [b] flat token index of each decode
     slots: torch.Tensor  # the slot table (req_to_token) itself
-    starts: torch.Tensor  # [b] flat index into ``slots`` where decode b's own range begins
-    ends: torch.Tensor  # [b] and ends (exclusive)
+    starts: torch.Tensor  # [G] flat index into ``slots`` where segment s begins
+    ends: torch.Tensor  # [G] and ends (exclusive)
+    ptr: torch.Tensor  # [G + 1] segment s is read by tokens[ptr[s] : ptr[s + 1]]
+    tokens: torch.Tensor  # flat token indices of the decodes
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,30 +120,43 @@ def plan_attention(
 ) -> AttentionPlan:
     """The passes of one forward. ``req_to_token`` must already hold this step's slots; request
     ``b`` owns ``rows[b]``, has ``start_pos[b]`` cached tokens and ``extend_lens[b]`` new ones.
-    ``native_decode``: decodes read their own ranges in place with ``kernels.native.paged_decode``
-    (fp32 pools, the library built) instead of runs and gathered buckets."""
+    ``native_decode``: decodes read their own ranges in place with ``kernels.native.paged_attend``
+    (fp32 pools, the library built) instead of runs and gathered buckets, and so do the shared runs
+    of groups whose members are all decodes."""
     batch = len(rows)
     cu = [0]
     for n in extend_lens:
         cu.append(cu[-1] + n)
     kv_start = groups.kv_start if groups is not None else [0] * batch
+    decodes = [b for b in range(batch) if extend_lens[b] == 1]
+    extends = _extend_passes(req_to_token, rows, start_pos, extend_lens, kv_start, cu)
+    width = req_to_token.shape[1]
+    # Segments for the native kernel: [(first flat index into the table, end, token indices)].
+    segments: list[tuple[int, int, list[int]]] = []
     shared: list[SharedPass] = []
     if groups is not None:
         for g in range(groups.num_groups):
             members = groups.group(g)
+            if native_decode and all(extend_lens[b] == 1 for b in members):
+                first = rows[members[0]] * width
+                segments.append((first, first + groups.shared_lens[g], [cu[b] for b in members]))
+                continue
             tokens = [t for b in members for t in range(cu[b], cu[b + 1])]
             shared_run = req_to_token[rows[members[0]], : groups.shared_lens[g]]
             shared.append(SharedPass(torch.tensor(tokens, dtype=torch.int64), _as_slots(shared_run)))
-    decodes = [b for b in range(batch) if extend_lens[b] == 1]
-    extends = _extend_passes(req_to_token, rows, start_pos, extend_lens, kv_start, cu)
     if native_decode and decodes:
         # Decode b reads row rows[b] of the table from kv_start[b] through start_pos[b], in place:
         # the kernel gets flat indices into the table, nothing is gathered.
-        width = req_to_token.shape[1]
-        starts = [rows[b] * width + kv_start[b] for b in decodes]
-        ends = [rows[b] * width + start_pos[b] + 1 for b in decodes]
-        paged = PagedDecodes(torch.tensor([cu[b] for b in decodes], dtype=torch.int64), req_to_token,
-                             torch.tensor(starts, dtype=torch.int64), torch.tensor(ends, dtype=torch.int64))
+        segments += [(rows[b] * width + kv_start[b], rows[b] * width + start_pos[b] + 1, [cu[b]]) for b in decodes]
+        ptr = [0]
+        for seg in segments:
+            ptr.append(ptr[-1] + len(seg[2]))
+
+        def t(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64)
+
+        paged = PagedDecodes(req_to_token, t([seg[0] for seg in segments]), t([seg[1] for seg in segments]), t(ptr),
+                             t([tok for seg in segments for tok in seg[2]]))
         return AttentionPlan(cu[-1], shared, [], extends, [], torch.empty(0, dtype=torch.int64), paged)
     runs: list[RunPass] = []
     rest_start = list(kv_start)  # where the gathered part of each decode's own range begins
@@ -247,14 +265,10 @@ def run_attention(
     merging = bool(plan.shared or plan.runs)
     out = torch.empty((t, hq, d), dtype=torch.float32 if merging else q.dtype)
     lse = torch.empty((t, hq), dtype=torch.float32) if merging else None
-    if plan.paged is not None:
-        o_p, s_p = native.paged_decode(
-            q.index_select(0, plan.paged.tokens), k_cache, v_cache, plan.paged.slots, plan.paged.starts,
-            plan.paged.ends, scale,
-        )
-        out[plan.paged.tokens] = o_p.to(out.dtype)
-        if lse is not None:
-            lse[plan.paged.tokens] = s_p
+    if plan.paged is not None:  # fp32 pools only: out is fp32 either way
+        p = plan.paged
+        native.paged_attend(q.contiguous(), k_cache, v_cache, p.slots, p.starts, p.ends, p.ptr, p.tokens, scale, out,
+                            lse if lse is not None else torch.empty((t, hq), dtype=torch.float32))
     for bucket in plan.decodes:
         b = bucket.tokens.numel()
         keys = k_cache.index_select(0, bucket.slots).view(b, bucket.lmax, *k_cache.shape[1:]).transpose(1, 2)

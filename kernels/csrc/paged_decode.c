@@ -1,22 +1,31 @@
-/* Paged decode attention on the CPU: one query per request over the slots of its own range, read
+/* Paged attention on the CPU for queries that attend, without a causal mask, to ranges of slots read
  * straight from the slot-indexed pool (no gather into a padded copy, no score matrix beyond one
- * chunk's row). Built by kernels/native.py with the system C compiler; see that file.
+ * chunk's). Built by kernels/native.py with the system C compiler; see that file.
  *
- *   q        [B, Hq, D]      fp32, contiguous
+ *   q        [T, Hq, D]      fp32, contiguous (a forward's queries; only the tokens named below are read)
  *   k, v     [S, Hkv, D]     fp32, contiguous (the pool of one layer)
- *   slots    [N]             int64: request b reads slots[starts[b] .. ends[b])
- *   starts, ends [B]         int64, every range non-empty (ranges may overlap or leave gaps: the
- *                            slot table itself can be passed, each request pointing into its row)
- *   out      [B, Hq, D]      fp32: softmax(q k^T * scale) v
- *   lse      [B, Hq]         fp32: natural log-sum-exp of the scaled scores (to merge passes)
+ *   slots    [N]             int64: segment s reads slots[seg_starts[s] .. seg_ends[s])
+ *   seg_starts, seg_ends [G] int64, every range non-empty (ranges may overlap or leave gaps: the
+ *                            slot table itself can be passed, each segment pointing into a row)
+ *   seg_ptr  [G + 1]         int64: segment s is attended by the query tokens
+ *   seg_tokens               seg_tokens[seg_ptr[s] .. seg_ptr[s + 1]) (indices into q, < T)
+ *   out      [T, Hq, D]      fp32: for every token named by some segment, softmax(q k^T * scale) v over
+ *                            the union of its segments' slots (other tokens' rows are left alone)
+ *   lse      [T, Hq]         fp32: natural log-sum-exp of those scaled scores (to merge passes)
  *
- * Work item = one chunk of CHUNK slots of one request (split-K, as flash-decoding does on a GPU), so
- * a single long request keeps every thread busy: decoding one stream was one thread's work. Each
- * slot's K (then V) row — every KV head, Hkv * D contiguous floats — is read once, front to back, for
- * all Hq query heads (query head h reads KV head h / (Hq / Hkv)). A chunk leaves its scores' maximum,
- * their exponentials' sum and the unnormalised sum of V rows; a second pass merges a request's chunks.
- * The chunking depends on the range's length only — not on the batch or the thread count — so a
- * request's result is the same in any batch. Rows a few slots ahead are prefetched: slots are
+ * A decode is one token over its own range (one segment); a prefix group's decodes also share one
+ * segment, the run they all hold, which is then read once for the whole group (cascade attention).
+ *
+ * Work item = one chunk of CHUNK slots of one segment for up to QB_ROWS query rows (split-K, as
+ * flash-decoding does on a GPU), so a single long request keeps every thread busy. A one-token item
+ * reads each slot's K (then V) row — every KV head, Hkv * D contiguous floats — once, front to back,
+ * for all Hq query heads (query head h reads KV head h / (Hq / Hkv)). An item of several tokens
+ * works per KV head on the rows (token, query head of that KV head), 16 rows to a vector: the scores
+ * are outer products of each key with the transposed queries, and each value row is multiplied into
+ * 4 rows' accumulators at once. An item leaves, per row, its scores' maximum, their exponentials'
+ * sum and the unnormalised sum of V rows; a second pass merges each token's items. The chunking
+ * depends on a segment's length only — not on the batch or the thread count — so a one-token
+ * segment's result is the same in any batch. Rows a few slots ahead are prefetched: slots are
  * scattered, so the hardware cannot guess the next row.
  */
 #include <math.h>
@@ -24,22 +33,39 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define PREFETCH_AHEAD 4
+#define PREFETCH_AHEAD 8
 #define CHUNK 128
+/* Query rows (token, query head) of one KV head per item of several tokens. */
+#define QB_ROWS 64
+
+typedef float v16 __attribute__((vector_size(64)));
+
+static inline v16 ld16(const float *p) {
+    v16 x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline void st16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
+
+/* Prefetch the n floats at p (one slot's row of every KV head, or of one). */
+static inline void prefetch_floats(const float *p, int64_t n) {
+    for (int64_t off = 0; off < n * (int64_t)sizeof(float); off += 64) __builtin_prefetch((const char *)p + off);
+}
 
 /* Prefetch the row of `row` floats at `base + slot * row` (every KV head of one slot). */
-static inline void prefetch_row(const float *base, int64_t slot, int64_t row) {
-    const char *p = (const char *)(base + slot * row);
-    for (int64_t off = 0; off < row * (int64_t)sizeof(float); off += 64) __builtin_prefetch(p + off);
-}
+static inline void prefetch_row(const float *base, int64_t slot, int64_t row) { prefetch_floats(base + slot * row, row); }
 
 /* One chunk of n <= CHUNK slots for query qb [Hq, D]: per head, the scores' maximum (m), the sum of
  * their exponentials against it (l) and sum_i exp(s_i - m) * v_i (acc [Hq, D]). */
 static void attend_chunk(const float *qb, const float *k, const float *v, const int64_t *sl, int64_t n,
                          int64_t hq, int64_t group, int64_t d, int64_t row, float scale, float *scores,
                          float *m, float *l, float *acc) {
+    for (int64_t i = 0; i < n && i < PREFETCH_AHEAD; i++) prefetch_row(k, sl[i], row);
     for (int64_t i = 0; i < n; i++) {
+        /* keys a few slots ahead, and this slot's values for the second loop: misses overlap */
         if (i + PREFETCH_AHEAD < n) prefetch_row(k, sl[i + PREFETCH_AHEAD], row);
+        prefetch_row(v, sl[i], row);
         const float *kr = k + sl[i] * row;
         for (int64_t h = 0; h < hq; h++) {
             const float *qh = qb + h * d;
@@ -65,7 +91,6 @@ static void attend_chunk(const float *qb, const float *k, const float *v, const 
     }
     memset(acc, 0, sizeof(float) * hq * d);
     for (int64_t i = 0; i < n; i++) {
-        if (i + PREFETCH_AHEAD < n) prefetch_row(v, sl[i + PREFETCH_AHEAD], row);
         const float *vr = v + sl[i] * row;
         for (int64_t h = 0; h < hq; h++) {
             const float p = scores[h * CHUNK + i];
@@ -77,65 +102,267 @@ static void attend_chunk(const float *qb, const float *k, const float *v, const 
     }
 }
 
-int strata_paged_decode_f32(const float *q, const float *k, const float *v, const int64_t *slots,
-                            const int64_t *starts, const int64_t *ends, int64_t batch, int64_t hq, int64_t hkv, int64_t d,
-                            float scale, float *out, float *lse) {
+/* One chunk of n <= CHUNK slots for the rows of KV head kh: qt [D][r16] holds the rows' queries
+ * (already scaled), transposed, padded with zero rows to r16 (a multiple of 16; D a multiple of 16).
+ * Leaves per row r < r16 the scores' maximum (mx), their exponentials' sum (sum) and
+ * acc [r16][D] = sum_i exp(s_ri - mx_r) v_i. sc [CHUNK][r16] is scratch. */
+static void attend_rows(const float *qt, int64_t r16, const float *k, const float *v, const int64_t *sl, int64_t n,
+                        int64_t kh, int64_t d, int64_t row, float *sc, float *mx, float *sum, float *acc) {
+    /* scores: 4 keys x 32 rows, or 8 keys x 16 rows, per pass: 8 independent accumulators, enough
+     * to hide the FMAs' latency */
+    for (int64_t i = 0; i < PREFETCH_AHEAD && i < n; i++) prefetch_floats(k + sl[i] * row + kh * d, d);
+    for (int64_t t = 0; t < r16; t += 32) {
+        const int two = t + 32 <= r16, step = two ? 4 : 8;
+        int64_t i = 0;
+        for (; i + step <= n; i += step) {
+            if (t == 0) /* keys a few slots ahead; these slots' values for the second loop */
+                for (int64_t a = i; a < i + step; a++) {
+                    if (a + PREFETCH_AHEAD < n) prefetch_floats(k + sl[a + PREFETCH_AHEAD] * row + kh * d, d);
+                    prefetch_floats(v + sl[a] * row + kh * d, d);
+                }
+            const float *kr[8];
+            for (int a = 0; a < step; a++) kr[a] = k + sl[i + a] * row + kh * d;
+            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+            if (two) {
+                for (int64_t j = 0; j < d; j++) {
+                    const v16 qa = ld16(qt + j * r16 + t), qb = ld16(qt + j * r16 + t + 16);
+                    a0 += qa * kr[0][j];
+                    a1 += qa * kr[1][j];
+                    a2 += qa * kr[2][j];
+                    a3 += qa * kr[3][j];
+                    b0 += qb * kr[0][j];
+                    b1 += qb * kr[1][j];
+                    b2 += qb * kr[2][j];
+                    b3 += qb * kr[3][j];
+                }
+                st16(sc + (i + 0) * r16 + t + 16, b0);
+                st16(sc + (i + 1) * r16 + t + 16, b1);
+                st16(sc + (i + 2) * r16 + t + 16, b2);
+                st16(sc + (i + 3) * r16 + t + 16, b3);
+            } else {
+                for (int64_t j = 0; j < d; j++) {
+                    const v16 qa = ld16(qt + j * r16 + t);
+                    a0 += qa * kr[0][j];
+                    a1 += qa * kr[1][j];
+                    a2 += qa * kr[2][j];
+                    a3 += qa * kr[3][j];
+                    b0 += qa * kr[4][j];
+                    b1 += qa * kr[5][j];
+                    b2 += qa * kr[6][j];
+                    b3 += qa * kr[7][j];
+                }
+                st16(sc + (i + 4) * r16 + t, b0);
+                st16(sc + (i + 5) * r16 + t, b1);
+                st16(sc + (i + 6) * r16 + t, b2);
+                st16(sc + (i + 7) * r16 + t, b3);
+            }
+            st16(sc + (i + 0) * r16 + t, a0);
+            st16(sc + (i + 1) * r16 + t, a1);
+            st16(sc + (i + 2) * r16 + t, a2);
+            st16(sc + (i + 3) * r16 + t, a3);
+        }
+        for (; i < n; i++) {
+            const float *k0 = k + sl[i] * row + kh * d;
+            if (t == 0) prefetch_floats(v + sl[i] * row + kh * d, d);
+            for (int64_t u = t; u < (two ? t + 32 : t + 16); u += 16) {
+                v16 a0 = {0};
+                for (int64_t j = 0; j < d; j++) a0 += ld16(qt + j * r16 + u) * k0[j];
+                st16(sc + i * r16 + u, a0);
+            }
+        }
+    }
+    for (int64_t r = 0; r < r16; r++) mx[r] = sc[r];
+    for (int64_t i = 1; i < n; i++) {
+        const float *si = sc + i * r16;
+#pragma omp simd
+        for (int64_t r = 0; r < r16; r++) mx[r] = si[r] > mx[r] ? si[r] : mx[r];
+    }
+    memset(sum, 0, sizeof(float) * r16);
+    for (int64_t i = 0; i < n; i++) {
+        float *si = sc + i * r16;
+#pragma omp simd
+        for (int64_t r = 0; r < r16; r++) {
+            si[r] = expf(si[r] - mx[r]);
+            sum[r] += si[r];
+        }
+    }
+    /* values: 4 rows x 32 (else 16) columns per pass, each value row loaded once for the 4 rows */
+    for (int64_t r = 0; r < r16; r += 4) {
+        int64_t j = 0;
+        for (; j + 32 <= d; j += 32) {
+            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+            for (int64_t i = 0; i < n; i++) {
+                const float *vr = v + sl[i] * row + kh * d + j;
+                const v16 va = ld16(vr), vb = ld16(vr + 16);
+                const float *p = sc + i * r16 + r;
+                a0 += p[0] * va;
+                a1 += p[1] * va;
+                a2 += p[2] * va;
+                a3 += p[3] * va;
+                b0 += p[0] * vb;
+                b1 += p[1] * vb;
+                b2 += p[2] * vb;
+                b3 += p[3] * vb;
+            }
+            st16(acc + r * d + j, a0);
+            st16(acc + (r + 1) * d + j, a1);
+            st16(acc + (r + 2) * d + j, a2);
+            st16(acc + (r + 3) * d + j, a3);
+            st16(acc + r * d + j + 16, b0);
+            st16(acc + (r + 1) * d + j + 16, b1);
+            st16(acc + (r + 2) * d + j + 16, b2);
+            st16(acc + (r + 3) * d + j + 16, b3);
+        }
+        for (; j < d; j += 16) {
+            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int64_t i = 0; i < n; i++) {
+                const v16 va = ld16(v + sl[i] * row + kh * d + j);
+                const float *p = sc + i * r16 + r;
+                a0 += p[0] * va;
+                a1 += p[1] * va;
+                a2 += p[2] * va;
+                a3 += p[3] * va;
+            }
+            st16(acc + r * d + j, a0);
+            st16(acc + (r + 1) * d + j, a1);
+            st16(acc + (r + 2) * d + j, a2);
+            st16(acc + (r + 3) * d + j, a3);
+        }
+    }
+}
+
+typedef struct {
+    int64_t seg, q0, nq, lo, n, part; /* segment, its first token (into seg_tokens), tokens, slots, partials */
+} item_t;
+
+int strata_paged_attend_f32(const float *q, const float *k, const float *v, const int64_t *slots, int64_t nseg,
+                            const int64_t *seg_starts, const int64_t *seg_ends, const int64_t *seg_ptr,
+                            const int64_t *seg_tokens, int64_t ntok, int64_t hq, int64_t hkv, int64_t d, float scale,
+                            float *out, float *lse) {
     const int64_t group = hq / hkv;
     const int64_t row = hkv * d;
-    /* first[b] .. first[b + 1]: request b's chunks among the work items */
-    int64_t *first = malloc(sizeof(int64_t) * (batch + 1));
-    if (first == NULL) return -1;
-    first[0] = 0;
-    for (int64_t b = 0; b < batch; b++) first[b + 1] = first[b] + (ends[b] - starts[b] + CHUNK - 1) / CHUNK;
-    const int64_t items = first[batch];
-    int64_t *owner = malloc(sizeof(int64_t) * items);
-    /* per item: m [Hq], l [Hq], acc [Hq, D] */
-    float *part = malloc(sizeof(float) * items * hq * (d + 2));
-    if (owner == NULL || part == NULL) {
-        free(first);
-        free(owner);
-        free(part);
+    const int64_t qb = group >= QB_ROWS ? 1 : QB_ROWS / group; /* tokens per item of several */
+    const int multi_ok = d % 16 == 0;
+    int64_t items = 0;
+    for (int64_t s = 0; s < nseg; s++) {
+        const int64_t nq = seg_ptr[s + 1] - seg_ptr[s];
+        items += (nq + qb - 1) / qb * ((seg_ends[s] - seg_starts[s] + CHUNK - 1) / CHUNK);
+    }
+    item_t *it = malloc(sizeof(item_t) * (items + 1));
+    int64_t *cnt = calloc(ntok + 1, sizeof(int64_t)); /* then each token's first occurrence */
+    if (it == NULL || cnt == NULL) {
+        free(it);
+        free(cnt);
         return -1;
     }
-    for (int64_t b = 0; b < batch; b++)
-        for (int64_t c = first[b]; c < first[b + 1]; c++) owner[c] = b;
+    /* Items of several tokens first: the longest work goes out before the threads run dry. */
+    int64_t c = 0, part = 0;
+    for (int pass = 0; pass < 2; pass++)
+        for (int64_t s = 0; s < nseg; s++) {
+            const int64_t nq = seg_ptr[s + 1] - seg_ptr[s];
+            if ((nq > 1) != (pass == 0)) continue;
+            for (int64_t q0 = 0; q0 < nq; q0 += qb)
+                for (int64_t lo = seg_starts[s]; lo < seg_ends[s]; lo += CHUNK) {
+                    const int64_t m = nq - q0 < qb ? nq - q0 : qb;
+                    it[c] = (item_t){s, seg_ptr[s] + q0, m, lo, seg_ends[s] - lo < CHUNK ? seg_ends[s] - lo : CHUNK, part};
+                    part += m * hq * (d + 2);
+                    c++;
+                }
+        }
+    for (int64_t i = 0; i < items; i++)
+        for (int64_t m = 0; m < it[i].nq; m++) {
+            const int64_t t = seg_tokens[it[i].q0 + m];
+            if (t < 0 || t >= ntok) {
+                free(it);
+                free(cnt);
+                return -2;
+            }
+            cnt[t + 1]++;
+        }
+    for (int64_t t = 0; t < ntok; t++) cnt[t + 1] += cnt[t];
+    int64_t *occ = malloc(sizeof(int64_t) * (cnt[ntok] + 1)); /* (item, token in item) as item * qb + m */
+    int64_t *fill = malloc(sizeof(int64_t) * (ntok + 1));
+    float *parts = malloc(sizeof(float) * (part + 1));
+    if (occ == NULL || fill == NULL || parts == NULL) {
+        free(it);
+        free(cnt);
+        free(occ);
+        free(fill);
+        free(parts);
+        return -1;
+    }
+    memcpy(fill, cnt, sizeof(int64_t) * (ntok + 1));
+    for (int64_t i = 0; i < items; i++)
+        for (int64_t m = 0; m < it[i].nq; m++) occ[fill[seg_tokens[it[i].q0 + m]]++] = i * qb + m;
+    const int64_t r16max = (qb * group + 15) / 16 * 16;
     int failed = 0;
 #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * hq * CHUNK);
+        float *scores = malloc(sizeof(float) * (hq * CHUNK + hq * (d + 2) + CHUNK * r16max + d * r16max + r16max * (d + 2)));
         if (scores == NULL) failed = 1;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t c = 0; c < items; c++) {
+        for (int64_t i = 0; i < items; i++) {
             if (failed) continue;
-            const int64_t b = owner[c];
-            const int64_t lo = starts[b] + (c - first[b]) * CHUNK;
-            const int64_t n = ends[b] - lo < CHUNK ? ends[b] - lo : CHUNK;
-            float *m = part + c * hq * (d + 2);
-            attend_chunk(q + b * hq * d, k, v, slots + lo, n, hq, group, d, row, scale, scores, m, m + hq,
-                         m + 2 * hq);
+            const item_t w = it[i];
+            float *pm = parts + w.part;
+            if (w.nq == 1 || !multi_ok) { /* token by token, all heads per key row */
+                for (int64_t m = 0; m < w.nq; m++) {
+                    /* one token's m [Hq], l [Hq], acc [Hq, D] are its item's layout when it is alone */
+                    float *tmp = w.nq == 1 ? pm : scores + hq * CHUNK;
+                    attend_chunk(q + seg_tokens[w.q0 + m] * hq * d, k, v, slots + w.lo, w.n, hq, group, d, row,
+                                 scale, scores, tmp, tmp + hq, tmp + 2 * hq);
+                    if (w.nq == 1) break;
+                    memcpy(pm + m * hq, tmp, sizeof(float) * hq);
+                    memcpy(pm + (w.nq + m) * hq, tmp + hq, sizeof(float) * hq);
+                    memcpy(pm + 2 * w.nq * hq + m * hq * d, tmp + 2 * hq, sizeof(float) * hq * d);
+                }
+                continue;
+            }
+            const int64_t r16 = (w.nq * group + 15) / 16 * 16; /* this item's rows, padded */
+            float *sc = scores + hq * CHUNK + hq * (d + 2), *qt = sc + CHUNK * r16, *mx = qt + d * r16, *sum = mx + r16;
+            float *acc = sum + r16;
+            for (int64_t kh = 0; kh < hkv; kh++) {
+                memset(qt, 0, sizeof(float) * d * r16);
+                for (int64_t m = 0; m < w.nq; m++)
+                    for (int64_t g = 0; g < group; g++) {
+                        const float *qh = q + (seg_tokens[w.q0 + m] * hq + kh * group + g) * d;
+                        for (int64_t j = 0; j < d; j++) qt[j * r16 + m * group + g] = qh[j] * scale;
+                    }
+                attend_rows(qt, r16, k, v, slots + w.lo, w.n, kh, d, row, sc, mx, sum, acc);
+                for (int64_t m = 0; m < w.nq; m++)
+                    for (int64_t g = 0; g < group; g++) {
+                        const int64_t r = m * group + g, h = m * hq + kh * group + g;
+                        pm[h] = mx[r];
+                        pm[w.nq * hq + h] = sum[r];
+                        memcpy(pm + 2 * w.nq * hq + h * d, acc + r * d, sizeof(float) * d);
+                    }
+            }
         }
-        /* the implicit barrier of the loop above: every chunk is done */
+        /* the implicit barrier of the loop above: every item is done */
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < batch; b++) {
-            if (failed) continue;
+        for (int64_t t = 0; t < ntok; t++) {
+            if (failed || cnt[t] == cnt[t + 1]) continue;
             for (int64_t h = 0; h < hq; h++) {
-                float mx = -INFINITY;
-                for (int64_t c = first[b]; c < first[b + 1]; c++) {
-                    const float mc = part[c * hq * (d + 2) + h];
-                    mx = mc > mx ? mc : mx;
+                float top = -INFINITY;
+                for (int64_t o = cnt[t]; o < cnt[t + 1]; o++) {
+                    const item_t *w = it + occ[o] / qb;
+                    const float mc = parts[w->part + (occ[o] % qb) * hq + h];
+                    top = mc > top ? mc : top;
                 }
                 float total = 0.f;
-                float *oh = out + (b * hq + h) * d;
+                float *oh = out + (t * hq + h) * d;
                 memset(oh, 0, sizeof(float) * d);
-                for (int64_t c = first[b]; c < first[b + 1]; c++) {
-                    const float *pc = part + c * hq * (d + 2);
-                    const float w = expf(pc[h] - mx);
-                    total += pc[hq + h] * w;
-                    const float *ac = pc + 2 * hq + h * d;
+                for (int64_t o = cnt[t]; o < cnt[t + 1]; o++) {
+                    const item_t *w = it + occ[o] / qb;
+                    const int64_t m = occ[o] % qb;
+                    const float *pw = parts + w->part;
+                    const float wt = expf(pw[m * hq + h] - top);
+                    total += pw[w->nq * hq + m * hq + h] * wt;
+                    const float *ac = pw + 2 * w->nq * hq + (m * hq + h) * d;
 #pragma omp simd
-                    for (int64_t j = 0; j < d; j++) oh[j] += w * ac[j];
+                    for (int64_t j = 0; j < d; j++) oh[j] += wt * ac[j];
                 }
-                lse[b * hq + h] = mx + logf(total);
+                lse[t * hq + h] = top + logf(total);
                 const float inv = 1.f / total;
 #pragma omp simd
                 for (int64_t j = 0; j < d; j++) oh[j] *= inv;
@@ -143,8 +370,10 @@ int strata_paged_decode_f32(const float *q, const float *k, const float *v, cons
         }
         free(scores);
     }
-    free(first);
-    free(owner);
-    free(part);
+    free(it);
+    free(cnt);
+    free(occ);
+    free(fill);
+    free(parts);
     return failed ? -1 : 0;
 }

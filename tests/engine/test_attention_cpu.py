@@ -182,3 +182,42 @@ def test_native_decode_splits_long_ranges_exactly() -> None:
         one = slice(b, b + 1)
         alone, alone_lse = native.paged_decode(q[one], k_cache, v_cache, slots, starts[one], ends[one], 0.3)
         assert torch.equal(alone[0], out[b]) and torch.equal(alone_lse[0], lse[b])
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 4, 64), (16, 8, 128), (32, 2, 64), (4, 4, 24)])
+def test_native_segments_read_by_several_tokens(hq: int, hkv: int, d: int) -> None:
+    """A segment read by several tokens (a prefix group's shared run, read once for the group) goes
+    through the kernel's several-row path (query rows per KV head, 16 to a vector; a head size that
+    is not a multiple of 16 falls back to token by token); each token's segments merge into the
+    softmax over their union, equal to an fp64 one; a token no segment names is left alone."""
+    if native.load() is None:
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(hq + d)
+    k_cache, v_cache = torch.randn(3000, hkv, d, generator=g), torch.randn(3000, hkv, d, generator=g)
+    slots = torch.randint(0, 3000, (20000,), generator=g)
+    tokens = 41
+    q = torch.randn(tokens, hq, d, generator=g)
+    rng = random.Random(d)
+    # two shared runs (40 readers: more than one item's rows), then a range of each token's own
+    segs = [(0, 700, list(range(0, 20))), (700, 1000, list(range(20, 40))), (1000, 1129, list(range(40)))]
+    at = 1129
+    for t in range(40):
+        n = rng.choice([1, 5, 127, 128, 129, 300])
+        segs.append((at, at + n, [t]))
+        at += n
+    ptr = torch.tensor([0] + [len(s[2]) for s in segs]).cumsum(0)
+    out, lse = torch.full((tokens, hq, d), 7.0), torch.full((tokens, hq), 7.0)
+    native.paged_attend(q, k_cache, v_cache, slots, torch.tensor([s[0] for s in segs]),
+                        torch.tensor([s[1] for s in segs]), ptr, torch.tensor([t for s in segs for t in s[2]]), 0.3,
+                        out, lse)
+    for t in range(40):
+        read = torch.cat([slots[s:e] for s, e, who in segs if t in who])
+        keys = k_cache[read].double().repeat_interleave(hq // hkv, dim=1)
+        vals = v_cache[read].double().repeat_interleave(hq // hkv, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[t].double(), keys) * 0.3
+        assert float((out[t] - torch.einsum("hn,nhd->hd", scores.softmax(-1), vals)).abs().max()) < 1e-5
+        assert float((lse[t] - scores.logsumexp(-1)).abs().max()) < 1e-4
+    assert bool((out[40] == 7.0).all()) and bool((lse[40] == 7.0).all())
+    with pytest.raises(ValueError, match="outside q"):
+        native.paged_attend(q, k_cache, v_cache, slots, torch.tensor([0]), torch.tensor([5]), torch.tensor([0, 1]),
+                            torch.tensor([tokens]), 0.3, out, lse)
