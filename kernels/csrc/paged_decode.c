@@ -22,7 +22,7 @@
  * for all Hq query heads (query head h reads KV head h / (Hq / Hkv)). An item of several tokens
  * works per KV head on the rows (token, query head of that KV head), 16 rows to a vector: the scores
  * are outer products of each key with the transposed queries, and each value row is multiplied into
- * 4 rows' accumulators at once. An item leaves, per row, its scores' maximum, their exponentials'
+ * 8 rows' accumulators at once. An item leaves, per row, its scores' maximum, their exponentials'
  * sum and the unnormalised sum of V rows; a second pass merges each token's items. The chunking
  * depends on a segment's length only — not on the batch or the thread count — so a one-token
  * segment's result is the same in any batch. Rows a few slots ahead are prefetched: slots are
@@ -108,58 +108,43 @@ static void attend_chunk(const float *qb, const float *k, const float *v, const 
  * acc [r16][D] = sum_i exp(s_ri - mx_r) v_i. sc [CHUNK][r16] is scratch. */
 static void attend_rows(const float *qt, int64_t r16, const float *k, const float *v, const int64_t *sl, int64_t n,
                         int64_t kh, int64_t d, int64_t row, float *sc, float *mx, float *sum, float *acc) {
-    /* scores: 4 keys x 32 rows, or 8 keys x 16 rows, per pass: 8 independent accumulators, enough
-     * to hide the FMAs' latency */
+    /* scores: 8 keys x 32 rows (16 accumulators), or 8 keys x 16 rows, per pass: enough
+     * independent accumulators to hide the FMAs' latency, 10 loads per 16 FMAs */
     for (int64_t i = 0; i < PREFETCH_AHEAD && i < n; i++) prefetch_floats(k + sl[i] * row + kh * d, d);
     for (int64_t t = 0; t < r16; t += 32) {
-        const int two = t + 32 <= r16, step = two ? 4 : 8;
+        const int two = t + 32 <= r16;
         int64_t i = 0;
-        for (; i + step <= n; i += step) {
+        for (; i + 8 <= n; i += 8) {
             if (t == 0) /* keys a few slots ahead; these slots' values for the second loop */
-                for (int64_t a = i; a < i + step; a++) {
+                for (int64_t a = i; a < i + 8; a++) {
                     if (a + PREFETCH_AHEAD < n) prefetch_floats(k + sl[a + PREFETCH_AHEAD] * row + kh * d, d);
                     prefetch_floats(v + sl[a] * row + kh * d, d);
                 }
             const float *kr[8];
-            for (int a = 0; a < step; a++) kr[a] = k + sl[i + a] * row + kh * d;
-            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+            for (int a = 0; a < 8; a++) kr[a] = k + sl[i + a] * row + kh * d;
+            v16 acc_a[8], acc_b[8];
+#pragma GCC unroll 8
+            for (int a = 0; a < 8; a++) acc_a[a] = acc_b[a] = (v16){0};
             if (two) {
                 for (int64_t j = 0; j < d; j++) {
                     const v16 qa = ld16(qt + j * r16 + t), qb = ld16(qt + j * r16 + t + 16);
-                    a0 += qa * kr[0][j];
-                    a1 += qa * kr[1][j];
-                    a2 += qa * kr[2][j];
-                    a3 += qa * kr[3][j];
-                    b0 += qb * kr[0][j];
-                    b1 += qb * kr[1][j];
-                    b2 += qb * kr[2][j];
-                    b3 += qb * kr[3][j];
+#pragma GCC unroll 8
+                    for (int a = 0; a < 8; a++) {
+                        acc_a[a] += qa * kr[a][j];
+                        acc_b[a] += qb * kr[a][j];
+                    }
                 }
-                st16(sc + (i + 0) * r16 + t + 16, b0);
-                st16(sc + (i + 1) * r16 + t + 16, b1);
-                st16(sc + (i + 2) * r16 + t + 16, b2);
-                st16(sc + (i + 3) * r16 + t + 16, b3);
+#pragma GCC unroll 8
+                for (int a = 0; a < 8; a++) st16(sc + (i + a) * r16 + t + 16, acc_b[a]);
             } else {
                 for (int64_t j = 0; j < d; j++) {
                     const v16 qa = ld16(qt + j * r16 + t);
-                    a0 += qa * kr[0][j];
-                    a1 += qa * kr[1][j];
-                    a2 += qa * kr[2][j];
-                    a3 += qa * kr[3][j];
-                    b0 += qa * kr[4][j];
-                    b1 += qa * kr[5][j];
-                    b2 += qa * kr[6][j];
-                    b3 += qa * kr[7][j];
+#pragma GCC unroll 8
+                    for (int a = 0; a < 8; a++) acc_a[a] += qa * kr[a][j];
                 }
-                st16(sc + (i + 4) * r16 + t, b0);
-                st16(sc + (i + 5) * r16 + t, b1);
-                st16(sc + (i + 6) * r16 + t, b2);
-                st16(sc + (i + 7) * r16 + t, b3);
             }
-            st16(sc + (i + 0) * r16 + t, a0);
-            st16(sc + (i + 1) * r16 + t, a1);
-            st16(sc + (i + 2) * r16 + t, a2);
-            st16(sc + (i + 3) * r16 + t, a3);
+#pragma GCC unroll 8
+            for (int a = 0; a < 8; a++) st16(sc + (i + a) * r16 + t, acc_a[a]);
         }
         for (; i < n; i++) {
             const float *k0 = k + sl[i] * row + kh * d;
@@ -186,47 +171,41 @@ static void attend_rows(const float *qt, int64_t r16, const float *k, const floa
             sum[r] += si[r];
         }
     }
-    /* values: 4 rows x 32 (else 16) columns per pass, each value row loaded once for the 4 rows */
-    for (int64_t r = 0; r < r16; r += 4) {
+    /* values: 8 rows x 32 (else 16) columns per pass, each value row loaded once for the 8 rows */
+    for (int64_t r = 0; r < r16; r += 8) {
         int64_t j = 0;
         for (; j + 32 <= d; j += 32) {
-            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+            v16 a[8], b[8];
+#pragma GCC unroll 8
+            for (int x = 0; x < 8; x++) a[x] = b[x] = (v16){0};
             for (int64_t i = 0; i < n; i++) {
                 const float *vr = v + sl[i] * row + kh * d + j;
                 const v16 va = ld16(vr), vb = ld16(vr + 16);
                 const float *p = sc + i * r16 + r;
-                a0 += p[0] * va;
-                a1 += p[1] * va;
-                a2 += p[2] * va;
-                a3 += p[3] * va;
-                b0 += p[0] * vb;
-                b1 += p[1] * vb;
-                b2 += p[2] * vb;
-                b3 += p[3] * vb;
+#pragma GCC unroll 8
+                for (int x = 0; x < 8; x++) {
+                    a[x] += p[x] * va;
+                    b[x] += p[x] * vb;
+                }
             }
-            st16(acc + r * d + j, a0);
-            st16(acc + (r + 1) * d + j, a1);
-            st16(acc + (r + 2) * d + j, a2);
-            st16(acc + (r + 3) * d + j, a3);
-            st16(acc + r * d + j + 16, b0);
-            st16(acc + (r + 1) * d + j + 16, b1);
-            st16(acc + (r + 2) * d + j + 16, b2);
-            st16(acc + (r + 3) * d + j + 16, b3);
+#pragma GCC unroll 8
+            for (int x = 0; x < 8; x++) {
+                st16(acc + (r + x) * d + j, a[x]);
+                st16(acc + (r + x) * d + j + 16, b[x]);
+            }
         }
         for (; j < d; j += 16) {
-            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            v16 a[8];
+#pragma GCC unroll 8
+            for (int x = 0; x < 8; x++) a[x] = (v16){0};
             for (int64_t i = 0; i < n; i++) {
                 const v16 va = ld16(v + sl[i] * row + kh * d + j);
                 const float *p = sc + i * r16 + r;
-                a0 += p[0] * va;
-                a1 += p[1] * va;
-                a2 += p[2] * va;
-                a3 += p[3] * va;
+#pragma GCC unroll 8
+                for (int x = 0; x < 8; x++) a[x] += p[x] * va;
             }
-            st16(acc + r * d + j, a0);
-            st16(acc + (r + 1) * d + j, a1);
-            st16(acc + (r + 2) * d + j, a2);
-            st16(acc + (r + 3) * d + j, a3);
+#pragma GCC unroll 8
+            for (int x = 0; x < 8; x++) st16(acc + (r + x) * d + j, a[x]);
         }
     }
 }
