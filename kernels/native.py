@@ -118,7 +118,7 @@ def load() -> ctypes.CDLL | None:
             log.error("loading %s turned on flush-to-zero for this process; rebuild it without fast math", path)
         ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         fn = lib.strata_paged_attend_f32
-        fn.argtypes = [ptr] * 4 + [i64] + [ptr] * 4 + [i64] * 4 + [f32, ptr, ptr]
+        fn.argtypes = [ptr] * 4 + [i64] + [ptr] * 5 + [i64] * 4 + [f32, ptr, ptr]
         fn.restype = ctypes.c_int
         lib.strata_silu_mul_f32.argtypes = [ptr, ptr, i64]
         lib.strata_add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32]
@@ -170,9 +170,9 @@ def paged_decode(
 def paged_attend(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, seg_starts: torch.Tensor,
     seg_ends: torch.Tensor, seg_ptr: torch.Tensor, seg_tokens: torch.Tensor, scale: float, out: torch.Tensor,
-    lse: torch.Tensor,
+    lse: torch.Tensor, causal: torch.Tensor | None = None,
 ) -> None:
-    """Queries over segments of slots read in place, without a causal mask (``kernels/csrc/paged_decode.c``).
+    """Queries over segments of slots read in place, whole or causally (``kernels/csrc/paged_decode.c``).
 
     ``q [T, Hq, D]``, ``k_cache, v_cache [S, Hkv, D]`` fp32 CPU; ``slots`` int64, any shape,
     contiguous: segment ``s`` reads its flat elements ``seg_starts[s]:seg_ends[s]`` (a concatenation
@@ -189,22 +189,25 @@ def paged_attend(
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out), ("lse", lse)):
         if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous fp32 CPU tensor, got {t.dtype} on {t.device}")
-    for name, t in (("slots", slots), ("starts", seg_starts), ("ends", seg_ends), ("seg_ptr", seg_ptr),
-                    ("seg_tokens", seg_tokens)):
+    named = [("slots", slots), ("starts", seg_starts), ("ends", seg_ends), ("seg_ptr", seg_ptr),
+             ("seg_tokens", seg_tokens)] + ([("causal", causal)] if causal is not None else [])
+    for name, t in named:
         if t.dtype != torch.int64 or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"{name} must be a contiguous int64 CPU tensor")
     tokens, hq, d = q.shape
     hkv = k_cache.shape[1]
     nseg = seg_starts.numel()
     if k_cache.shape[2] != d or hq % hkv or seg_ends.numel() != nseg or seg_ptr.numel() != nseg + 1 \
-            or v_cache.shape != k_cache.shape or out.shape != q.shape or lse.shape != q.shape[:2]:
+            or v_cache.shape != k_cache.shape or out.shape != q.shape or lse.shape != q.shape[:2] \
+            or (causal is not None and causal.numel() != nseg):
         raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
                          f"{nseg} starts, {seg_ends.numel()} ends, {seg_ptr.numel()} segment pointers")
     if nseg == 0:
         return
     rc = lib.strata_paged_attend_f32(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), nseg, seg_starts.data_ptr(),
-        seg_ends.data_ptr(), seg_ptr.data_ptr(), seg_tokens.data_ptr(), tokens, hq, hkv, d, float(scale),
+        seg_ends.data_ptr(), seg_ptr.data_ptr(), seg_tokens.data_ptr(), None if causal is None else causal.data_ptr(),
+        tokens, hq, hkv, d, float(scale),
         out.data_ptr(), lse.data_ptr(),
     )
     if rc == -2:

@@ -9,15 +9,21 @@
  *                            slot table itself can be passed, each segment pointing into a row)
  *   seg_ptr  [G + 1]         int64: segment s is attended by the query tokens
  *   seg_tokens               seg_tokens[seg_ptr[s] .. seg_ptr[s + 1]) (indices into q, < T)
+ *   seg_causal [G] or NULL   -1: every token reads the whole range; b >= 0: the segment's j-th token
+ *                            reads its first b + j + 1 slots (a prefill chunk over its cached prefix
+ *                            of b slots and, causally, its own new tokens)
  *   out      [T, Hq, D]      fp32: for every token named by some segment, softmax(q k^T * scale) v over
  *                            the union of its segments' slots (other tokens' rows are left alone)
  *   lse      [T, Hq]         fp32: natural log-sum-exp of those scaled scores (to merge passes)
  *
- * A decode is one token over its own range (one segment); a prefix group's decodes also share one
- * segment, the run they all hold, which is then read once for the whole group (cascade attention).
+ * A decode is one token over its own range (one segment); a prefix group's members also share one
+ * segment, the run they all hold, which is then read once for the whole group (cascade attention);
+ * a prefill chunk is one causal segment over its cached prefix and its new tokens.
  *
- * Work item = one chunk of CHUNK slots of one segment for up to QB_ROWS query rows (split-K, as
- * flash-decoding does on a GPU), so a single long request keeps every thread busy. A one-token item
+ * Work item = one chunk of CHUNK slots of a one-token segment (split-K, as flash-decoding does on a
+ * GPU, so a single long request keeps every thread busy), or, for a segment of several tokens, a
+ * block of up to QB_ROWS query rows over a span of chunks merged online (the span as short as keeps
+ * about ITEMS_WANTED such items; a causal block stops at its last token's slot). A one-token item
  * reads each slot's K (then V) row — every KV head, Hkv * D contiguous floats — once, front to back,
  * for all Hq query heads (query head h reads KV head h / (Hq / Hkv)). An item of several tokens
  * works per KV head on the rows (token, query head of that KV head), 16 rows to a vector: the scores
@@ -37,6 +43,13 @@
 #define CHUNK 128
 /* Query rows (token, query head) of one KV head per item of several tokens. */
 #define QB_ROWS 64
+/* Items of several tokens cover up to this many chunks each, merged online, so that a long causal
+ * prefill leaves one partial result per token rather than one per chunk: the span is the least
+ * that still gives about ITEMS_WANTED such items, so the threads stay busy. */
+#define ITEMS_WANTED 32
+/* A masked score, and below this a row's maximum means it read no slot (finite: fast math). */
+#define MASKED -1e30f
+#define EMPTY -1e29f
 
 typedef float v16 __attribute__((vector_size(64)));
 
@@ -107,7 +120,8 @@ static void attend_chunk(const float *qb, const float *k, const float *v, const 
  * Leaves per row r < r16 the scores' maximum (mx), their exponentials' sum (sum) and
  * acc [r16][D] = sum_i exp(s_ri - mx_r) v_i. sc [CHUNK][r16] is scratch. */
 static void attend_rows(const float *qt, int64_t r16, const float *k, const float *v, const int64_t *sl, int64_t n,
-                        int64_t kh, int64_t d, int64_t row, float *sc, float *mx, float *sum, float *acc) {
+                        int64_t kh, int64_t d, int64_t row, const int64_t *lim, float *sc, float *mx, float *sum,
+                        float *acc) {
     /* scores: 8 keys x 32 rows (16 accumulators), or 8 keys x 16 rows, per pass: enough
      * independent accumulators to hide the FMAs' latency, 10 loads per 16 FMAs */
     for (int64_t i = 0; i < PREFETCH_AHEAD && i < n; i++) prefetch_floats(k + sl[i] * row + kh * d, d);
@@ -156,6 +170,9 @@ static void attend_rows(const float *qt, int64_t r16, const float *k, const floa
             }
         }
     }
+    if (lim != NULL) /* causal: row r reads the chunk's first lim[r] slots; a row that reads none ends empty */
+        for (int64_t r = 0; r < r16; r++)
+            for (int64_t i = lim[r] > 0 ? lim[r] : 0; i < n; i++) sc[i * r16 + r] = MASKED;
     for (int64_t r = 0; r < r16; r++) mx[r] = sc[r];
     for (int64_t i = 1; i < n; i++) {
         const float *si = sc + i * r16;
@@ -167,7 +184,7 @@ static void attend_rows(const float *qt, int64_t r16, const float *k, const floa
         float *si = sc + i * r16;
 #pragma omp simd
         for (int64_t r = 0; r < r16; r++) {
-            si[r] = expf(si[r] - mx[r]);
+            si[r] = mx[r] > EMPTY ? expf(si[r] - mx[r]) : 0.f;
             sum[r] += si[r];
         }
     }
@@ -211,21 +228,62 @@ static void attend_rows(const float *qt, int64_t r16, const float *k, const floa
 }
 
 typedef struct {
-    int64_t seg, q0, nq, lo, n, part; /* segment, its first token (into seg_tokens), tokens, slots, partials */
+    /* segment, its first token here (an index into seg_tokens), tokens, slots [lo, hi) (indices into
+     * slots), where its partial results start */
+    int64_t seg, q0, nq, lo, hi, part;
 } item_t;
+
+/* How many of a segment's len slots its j-th token reads: all, or with a causal base, base + j + 1. */
+static inline int64_t readable(int64_t len, int64_t causal, int64_t j) {
+    if (causal < 0) return len;
+    return causal + j + 1 < len ? causal + j + 1 : len;
+}
+
+/* The items of segment s (see the header), into it[] when it is not NULL; returns their count. A
+ * segment of several tokens (multi) is cut into blocks of qb tokens, each block's readable range
+ * into spans of span chunks; a one-token segment into single chunks. */
+static int64_t make_items(int64_t s, const int64_t *seg_starts, const int64_t *seg_ends, const int64_t *seg_ptr,
+                          const int64_t *seg_causal, int64_t qb, int64_t span, int multi, item_t *it,
+                          int64_t *part, int64_t per_token) {
+    const int64_t nq = seg_ptr[s + 1] - seg_ptr[s], len = seg_ends[s] - seg_starts[s];
+    const int64_t causal = seg_causal != NULL ? seg_causal[s] : -1;
+    const int64_t step = qb;
+    int64_t c = 0;
+    for (int64_t q0 = 0; q0 < nq; q0 += step) {
+        const int64_t m = nq - q0 < step ? nq - q0 : step;
+        const int64_t end = readable(len, causal, q0 + m - 1); /* the block's last token reads most */
+        const int64_t width = multi ? span * CHUNK : CHUNK;
+        for (int64_t lo = 0; lo < end; lo += width) {
+            if (it != NULL) {
+                const int64_t hi = end - lo < width ? end : lo + width;
+                it[c] = (item_t){s, seg_ptr[s] + q0, m, seg_starts[s] + lo, seg_starts[s] + hi, *part};
+                *part += m * per_token;
+            }
+            c++;
+        }
+    }
+    return c;
+}
 
 int strata_paged_attend_f32(const float *q, const float *k, const float *v, const int64_t *slots, int64_t nseg,
                             const int64_t *seg_starts, const int64_t *seg_ends, const int64_t *seg_ptr,
-                            const int64_t *seg_tokens, int64_t ntok, int64_t hq, int64_t hkv, int64_t d, float scale,
-                            float *out, float *lse) {
+                            const int64_t *seg_tokens, const int64_t *seg_causal, int64_t ntok, int64_t hq,
+                            int64_t hkv, int64_t d, float scale, float *out, float *lse) {
     const int64_t group = hq / hkv;
     const int64_t row = hkv * d;
     const int64_t qb = group >= QB_ROWS ? 1 : QB_ROWS / group; /* tokens per item of several */
     const int multi_ok = d % 16 == 0;
+    const int64_t per_token = hq * (d + 2);
+    /* the span: chunks of several-token items, one chunk each first, then as many as keep ITEMS_WANTED */
+    int64_t work = 0;
+    for (int64_t s = 0; s < nseg; s++)
+        if (seg_ptr[s + 1] - seg_ptr[s] > 1 && multi_ok)
+            work += make_items(s, seg_starts, seg_ends, seg_ptr, seg_causal, qb, 1, 1, NULL, NULL, 0);
+    const int64_t span = work / ITEMS_WANTED > 1 ? work / ITEMS_WANTED : 1;
     int64_t items = 0;
     for (int64_t s = 0; s < nseg; s++) {
-        const int64_t nq = seg_ptr[s + 1] - seg_ptr[s];
-        items += (nq + qb - 1) / qb * ((seg_ends[s] - seg_starts[s] + CHUNK - 1) / CHUNK);
+        const int multi = seg_ptr[s + 1] - seg_ptr[s] > 1 && multi_ok;
+        items += make_items(s, seg_starts, seg_ends, seg_ptr, seg_causal, multi ? qb : 1, span, multi, NULL, NULL, 0);
     }
     item_t *it = malloc(sizeof(item_t) * (items + 1));
     int64_t *cnt = calloc(ntok + 1, sizeof(int64_t)); /* then each token's first occurrence */
@@ -238,15 +296,10 @@ int strata_paged_attend_f32(const float *q, const float *k, const float *v, cons
     int64_t c = 0, part = 0;
     for (int pass = 0; pass < 2; pass++)
         for (int64_t s = 0; s < nseg; s++) {
-            const int64_t nq = seg_ptr[s + 1] - seg_ptr[s];
-            if ((nq > 1) != (pass == 0)) continue;
-            for (int64_t q0 = 0; q0 < nq; q0 += qb)
-                for (int64_t lo = seg_starts[s]; lo < seg_ends[s]; lo += CHUNK) {
-                    const int64_t m = nq - q0 < qb ? nq - q0 : qb;
-                    it[c] = (item_t){s, seg_ptr[s] + q0, m, lo, seg_ends[s] - lo < CHUNK ? seg_ends[s] - lo : CHUNK, part};
-                    part += m * hq * (d + 2);
-                    c++;
-                }
+            const int multi = seg_ptr[s + 1] - seg_ptr[s] > 1 && multi_ok;
+            if (multi != (pass == 0)) continue;
+            c += make_items(s, seg_starts, seg_ends, seg_ptr, seg_causal, multi ? qb : 1, span, multi, it + c, &part,
+                            per_token);
         }
     for (int64_t i = 0; i < items; i++)
         for (int64_t m = 0; m < it[i].nq; m++) {
@@ -277,19 +330,33 @@ int strata_paged_attend_f32(const float *q, const float *k, const float *v, cons
     int failed = 0;
 #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * (hq * CHUNK + hq * (d + 2) + CHUNK * r16max + d * r16max + r16max * (d + 2)));
-        if (scores == NULL) failed = 1;
+        /* token path: scores [Hq, CHUNK], one token's partial; several-row path: scores [CHUNK, r16],
+         * queries [D, r16], a chunk's (mx, sum, acc) and the running ones, the rows' limits */
+        const int64_t r_floats = CHUNK * r16max + d * r16max + 2 * r16max * (d + 2);
+        float *scores = malloc(sizeof(float) * (hq * CHUNK + per_token + r_floats));
+        int64_t *lim = malloc(sizeof(int64_t) * r16max);
+        if (scores == NULL || lim == NULL) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < items; i++) {
             if (failed) continue;
             const item_t w = it[i];
             float *pm = parts + w.part;
-            if (w.nq == 1 || !multi_ok) { /* token by token, all heads per key row */
+            const int64_t base = w.lo - seg_starts[w.seg], len = seg_ends[w.seg] - seg_starts[w.seg];
+            const int64_t causal = seg_causal != NULL ? seg_causal[w.seg] : -1;
+            const int64_t first = w.q0 - seg_ptr[w.seg]; /* this item's first token among the segment's */
+            if (seg_ptr[w.seg + 1] - seg_ptr[w.seg] == 1 || !multi_ok) { /* token by token, one chunk */
                 for (int64_t m = 0; m < w.nq; m++) {
                     /* one token's m [Hq], l [Hq], acc [Hq, D] are its item's layout when it is alone */
                     float *tmp = w.nq == 1 ? pm : scores + hq * CHUNK;
-                    attend_chunk(q + seg_tokens[w.q0 + m] * hq * d, k, v, slots + w.lo, w.n, hq, group, d, row,
-                                 scale, scores, tmp, tmp + hq, tmp + 2 * hq);
+                    const int64_t n = readable(len, causal, first + m) - base;
+                    if (n > 0) {
+                        attend_chunk(q + seg_tokens[w.q0 + m] * hq * d, k, v, slots + w.lo,
+                                     n < w.hi - w.lo ? n : w.hi - w.lo, hq, group, d, row, scale, scores, tmp,
+                                     tmp + hq, tmp + 2 * hq);
+                    } else { /* reads none of this chunk: an empty partial */
+                        for (int64_t h = 0; h < hq; h++) tmp[h] = MASKED;
+                        memset(tmp + hq, 0, sizeof(float) * hq * (d + 1));
+                    }
                     if (w.nq == 1) break;
                     memcpy(pm + m * hq, tmp, sizeof(float) * hq);
                     memcpy(pm + (w.nq + m) * hq, tmp + hq, sizeof(float) * hq);
@@ -298,8 +365,8 @@ int strata_paged_attend_f32(const float *q, const float *k, const float *v, cons
                 continue;
             }
             const int64_t r16 = (w.nq * group + 15) / 16 * 16; /* this item's rows, padded */
-            float *sc = scores + hq * CHUNK + hq * (d + 2), *qt = sc + CHUNK * r16, *mx = qt + d * r16, *sum = mx + r16;
-            float *acc = sum + r16;
+            float *sc = scores + hq * CHUNK + per_token, *qt = sc + CHUNK * r16, *mx = qt + d * r16, *sum = mx + r16;
+            float *acc = sum + r16, *rmx = acc + r16 * d, *rsum = rmx + r16, *racc = rsum + r16;
             for (int64_t kh = 0; kh < hkv; kh++) {
                 memset(qt, 0, sizeof(float) * d * r16);
                 for (int64_t m = 0; m < w.nq; m++)
@@ -307,13 +374,35 @@ int strata_paged_attend_f32(const float *q, const float *k, const float *v, cons
                         const float *qh = q + (seg_tokens[w.q0 + m] * hq + kh * group + g) * d;
                         for (int64_t j = 0; j < d; j++) qt[j * r16 + m * group + g] = qh[j] * scale;
                     }
-                attend_rows(qt, r16, k, v, slots + w.lo, w.n, kh, d, row, sc, mx, sum, acc);
+                for (int64_t lo = w.lo; lo < w.hi; lo += CHUNK) {
+                    const int64_t n = w.hi - lo < CHUNK ? w.hi - lo : CHUNK;
+                    int masked = 0;
+                    for (int64_t r = 0; r < r16; r++) {
+                        const int64_t m = r / group;
+                        lim[r] = m < w.nq ? readable(len, causal, first + m) - (lo - seg_starts[w.seg]) : n;
+                        masked |= lim[r] < n;
+                    }
+                    const int head = lo == w.lo; /* the first chunk writes the running state itself */
+                    attend_rows(qt, r16, k, v, slots + lo, n, kh, d, row, masked ? lim : NULL, sc, head ? rmx : mx,
+                                head ? rsum : sum, head ? racc : acc);
+                    if (head) continue;
+                    for (int64_t r = 0; r < r16; r++) { /* merge this chunk into the running state */
+                        const float top = mx[r] > rmx[r] ? mx[r] : rmx[r];
+                        const float a = expf(rmx[r] - top), b = expf(mx[r] - top);
+                        rmx[r] = top;
+                        rsum[r] = rsum[r] * a + sum[r] * b;
+                        float *ra = racc + r * d;
+                        const float *ca = acc + r * d;
+#pragma omp simd
+                        for (int64_t j = 0; j < d; j++) ra[j] = ra[j] * a + ca[j] * b;
+                    }
+                }
                 for (int64_t m = 0; m < w.nq; m++)
                     for (int64_t g = 0; g < group; g++) {
                         const int64_t r = m * group + g, h = m * hq + kh * group + g;
-                        pm[h] = mx[r];
-                        pm[w.nq * hq + h] = sum[r];
-                        memcpy(pm + 2 * w.nq * hq + h * d, acc + r * d, sizeof(float) * d);
+                        pm[h] = rmx[r];
+                        pm[w.nq * hq + h] = rsum[r];
+                        memcpy(pm + 2 * w.nq * hq + h * d, racc + r * d, sizeof(float) * d);
                     }
             }
         }
@@ -348,6 +437,7 @@ int strata_paged_attend_f32(const float *q, const float *k, const float *v, cons
             }
         }
         free(scores);
+        free(lim);
     }
     free(it);
     free(cnt);

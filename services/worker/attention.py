@@ -127,11 +127,14 @@ class CpuAttention(AttentionBackend):
         super().__init__(kv, req_to_token)
         self.cascade = cascade
         self.native_decode = native_decode
+        # Prefill chunks too, where the kernel's several-row path takes the head size.
+        self.native_extend = native_decode and kv.head_dim % 16 == 0
 
     def prepare(self, rows: list[int], start_pos: list[int], extend_lens: list[int]) -> AttentionMeta:
         table = self.req_to_token.host
         groups = find_prefix_groups(table, rows, start_pos, self.kv.device) if self.cascade else None
-        return AttentionMeta(groups, plan_attention(table, rows, start_pos, extend_lens, groups, self.native_decode))
+        plan = plan_attention(table, rows, start_pos, extend_lens, groups, self.native_decode, self.native_extend)
+        return AttentionMeta(groups, plan)
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -48,10 +48,12 @@ def _batch(seed: int, scattered: bool) -> tuple[torch.Tensor, list[int], list[in
     return table, rows, starts, lens
 
 
-@pytest.mark.parametrize("native_decode", [False, True])
+@pytest.mark.parametrize(("native_decode", "native_extend"), [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("scattered", [False, True])
 @pytest.mark.parametrize("seed", range(4))
-def test_every_pass_equals_the_reference(seed: int, scattered: bool, native_decode: bool) -> None:
+def test_every_pass_equals_the_reference(seed: int, scattered: bool, native_decode: bool, native_extend: bool) -> None:
+    """With ``native_extend`` every pass is the native kernel's: prefill chunks causally over their
+    own range, groups of any members over their shared run, nothing merged in Python."""
     if native_decode and native.load() is None:
         pytest.skip("no C compiler here: the native kernel is not built")
     table, rows, starts, lens = _batch(seed, scattered)
@@ -66,8 +68,10 @@ def test_every_pass_equals_the_reference(seed: int, scattered: bool, native_deco
     groups = find_prefix_groups(table, rows, starts)
     assert groups is not None and groups.num_groups >= 2
     for grouping in (None, groups):
-        plan = plan_attention(table, rows, starts, lens, grouping, native_decode)
+        plan = plan_attention(table, rows, starts, lens, grouping, native_decode, native_extend)
         assert (plan.paged is not None) == native_decode
+        if native_extend:
+            assert not plan.shared and not plan.extends
         if not scattered and not native_decode:
             assert plan.runs, "long contiguous own ranges must be read in place"
         got = run_attention(plan, q, k_new, v_new, k_cache, v_cache, 0.3)
@@ -221,3 +225,35 @@ def test_native_segments_read_by_several_tokens(hq: int, hkv: int, d: int) -> No
     with pytest.raises(ValueError, match="outside q"):
         native.paged_attend(q, k_cache, v_cache, slots, torch.tensor([0]), torch.tensor([5]), torch.tensor([0, 1]),
                             torch.tensor([tokens]), 0.3, out, lse)
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 4, 64), (16, 8, 128), (4, 4, 24)])
+def test_native_causal_segments(hq: int, hkv: int, d: int) -> None:
+    """Prefill chunks as causal segments: the j-th new token reads the cached prefix and the new
+    tokens up to itself. Lengths around the kernel's chunk and token-block edges, one segment long
+    enough that its items span several chunks (merged online), a one-token tail block, a chunk of
+    one token: each equals an fp64 softmax over exactly what it may read."""
+    if native.load() is None:
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(d)
+    k_cache, v_cache = torch.randn(6000, hkv, d, generator=g), torch.randn(6000, hkv, d, generator=g)
+    segs, at, tok = [], 0, 0
+    for cached, n in ((0, 256), (300, 160), (1000, 33), (0, 1), (2500, 7), (5, 129), (0, 2100)):
+        segs.append((at, at + cached + n, list(range(tok, tok + n)), cached))
+        at, tok = at + cached + n, tok + n
+    slots = torch.randint(0, 6000, (at,), generator=g)
+    q = torch.randn(tok, hq, d, generator=g)
+    out, lse = torch.empty(tok, hq, d), torch.empty(tok, hq)
+    native.paged_attend(q, k_cache, v_cache, slots, torch.tensor([s[0] for s in segs]),
+                        torch.tensor([s[1] for s in segs]), torch.tensor([0] + [len(s[2]) for s in segs]).cumsum(0),
+                        torch.tensor([t for s in segs for t in s[2]]), 0.3, out, lse,
+                        torch.tensor([s[3] for s in segs]))
+    for start, _, who, cached in segs:
+        for j in sorted({0, 1, 31, 32, 33, 127, 128, len(who) - 1} & set(range(len(who)))):
+            read = slots[start : start + cached + j + 1]
+            keys = k_cache[read].double().repeat_interleave(hq // hkv, dim=1)
+            vals = v_cache[read].double().repeat_interleave(hq // hkv, dim=1)
+            scores = torch.einsum("hd,nhd->hn", q[who[j]].double(), keys) * 0.3
+            want = torch.einsum("hn,nhd->hd", scores.softmax(-1), vals)
+            assert float((out[who[j]] - want).abs().max()) < 1e-5, (cached, len(who), j)
+            assert float((lse[who[j]] - scores.logsumexp(-1)).abs().max()) < 1e-4

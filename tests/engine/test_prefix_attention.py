@@ -220,16 +220,21 @@ def test_the_backend_is_chosen_once_from_the_path_and_the_device() -> None:
     with neither: the torch references."""
     table = ReqToTokenTable(1, 1)
 
-    def backend(path: str, device: str, dtype: torch.dtype = torch.float32) -> attention_mod.AttentionBackend:
-        kv = cast(KVPool, SimpleNamespace(device=torch.device(device), dtype=dtype))  # the chooser reads these
+    def backend(
+        path: str, device: str, dtype: torch.dtype = torch.float32, head_dim: int = 64
+    ) -> attention_mod.AttentionBackend:
+        kv = cast(KVPool, SimpleNamespace(device=torch.device(device), dtype=dtype, head_dim=head_dim))  # what it reads
         return attention_backend(path, kv, table)  # type: ignore[arg-type]
 
     for path, cascade in (("cascade", True), ("flat", False)):
         cpu = backend(path, "cpu")
         assert isinstance(cpu, CpuAttention) and cpu.cascade == cascade
-        assert cpu.native_decode == (native.load() is not None)
+        assert cpu.native_decode == cpu.native_extend == (native.load() is not None)
+        odd = backend(path, "cpu", head_dim=24)  # the kernel's several-row path takes multiples of 16
+        assert isinstance(odd, CpuAttention) and odd.native_decode == (native.load() is not None)
+        assert not odd.native_extend
         half = backend(path, "cpu", torch.bfloat16)
-        assert isinstance(half, CpuAttention) and not half.native_decode
+        assert isinstance(half, CpuAttention) and not half.native_decode and not half.native_extend
         gpu = backend(path, "cuda")
         assert isinstance(gpu, TritonAttention) and gpu.cascade == cascade
         assert isinstance(backend(path, "meta"), ReferenceAttention)
