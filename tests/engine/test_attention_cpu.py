@@ -162,7 +162,7 @@ def test_native_decode_rejects_what_it_cannot_read() -> None:
 
 
 def test_native_decode_splits_long_ranges_exactly() -> None:
-    """A request's range is cut into chunks (128 slots in kernels/csrc/paged_decode.c) that threads
+    """A request's range is cut into chunks (256 slots in kernels/csrc/paged_decode.c) that threads
     share and that are merged by log-sum-exp: lengths around the chunk edges equal an fp64 softmax,
     and a request's result is the same bit for bit alone and in any batch (chunking depends on its
     length only)."""
@@ -170,7 +170,7 @@ def test_native_decode_splits_long_ranges_exactly() -> None:
         pytest.skip("no C compiler here")
     g = torch.Generator().manual_seed(7)
     k_cache, v_cache = torch.randn(4000, HKV, D, generator=g), torch.randn(4000, HKV, D, generator=g)
-    lengths = [1, 127, 128, 129, 256, 300, 1000]
+    lengths = [1, 127, 128, 129, 255, 256, 257, 300, 1000]
     slots = torch.randperm(4000, generator=g)[: sum(lengths)]
     ends = torch.tensor(lengths).cumsum(0)
     starts = ends - torch.tensor(lengths)
