@@ -20,19 +20,19 @@
  * segment, the run they all hold, which is then read once for the whole group (cascade attention);
  * a prefill chunk is one causal segment over its cached prefix and its new tokens.
  *
- * Work item = one chunk of TOKEN_CHUNK slots of a one-token segment (split-K, as flash-decoding
- * does on a GPU, so a single long request keeps every thread busy), or, for a segment of several
- * tokens, a block of up to QB_ROWS query rows over a span of CHUNK-slot chunks merged online (the
- * span as short as keeps about ITEMS_WANTED such items; a causal block stops at its last token's
- * slot). A one-token item reads each slot's K (then V) row — every KV head, Hkv * D contiguous
- * floats — once, front to back, for all Hq query heads (query head h reads KV head h / (Hq / Hkv)).
- * An item of several tokens works per KV head on the rows (token, query head of that KV head), 16 rows to a vector: the scores
- * are outer products of each key with the transposed queries, and each value row is multiplied into
- * 8 rows' accumulators at once. An item leaves, per row, its scores' maximum, their exponentials'
- * sum and the unnormalised sum of V rows; a second pass merges each token's items. The chunking
- * depends on a segment's length only — not on the batch or the thread count — so a one-token
- * segment's result is the same in any batch. Rows a few slots ahead are prefetched: slots are
- * scattered, so the hardware cannot guess the next row.
+ * Work item = one chunk of TOKEN_CHUNK slots of a one-token segment (split-K, as flash-decoding does
+ * on a GPU, so a single long request keeps every thread busy), or, for a segment of several tokens, a
+ * block of up to QB_ROWS query rows over a span of CHUNK-slot chunks merged online (the span as short
+ * as keeps about ITEMS_WANTED such items; a causal block stops at its last token's slot). A one-token
+ * item reads each slot's K (then V) row — every KV head, Hkv * D contiguous floats — once, front to
+ * back, for all Hq query heads (query head h reads KV head h / (Hq / Hkv)). An item of several tokens
+ * works per KV head on the rows (token, query head of that KV head), 16 rows to a vector: the scores
+ * are outer products of each key with the transposed queries, and each value row is multiplied into 8
+ * rows' accumulators at once. An item leaves, per row, its scores' maximum, their exponentials' sum
+ * and the unnormalised sum of V rows; a second pass merges each token's items. The chunking depends on
+ * a segment's length only — not on the batch or the thread count — so a one-token segment's result is
+ * the same in any batch. Rows a few slots ahead are prefetched: slots are scattered, so the hardware
+ * cannot guess the next row.
  */
 #include <math.h>
 #include <stdint.h>
