@@ -146,27 +146,6 @@ def paged_decode_available(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and load() is not None
 
 
-def paged_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
-    ends: torch.Tensor, scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query per request over its own slots, read in place: ``paged_attend`` with one segment
-    per request.
-
-    ``q [B, Hq, D]``; request ``b`` reads the flat elements ``starts[b]:ends[b]`` of ``slots``.
-    Returns ``(out [B, Hq, D] fp32, lse [B, Hq] fp32)``.
-    """
-    batch, hq, d = q.shape
-    if starts.numel() != batch or ends.numel() != batch:
-        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, {starts.numel()} starts and {ends.numel()} "
-                         f"ends for {batch} requests")
-    out = torch.empty((batch, hq, d), dtype=torch.float32)
-    lse = torch.empty((batch, hq), dtype=torch.float32)
-    each = torch.arange(batch + 1, dtype=torch.int64)
-    paged_attend(q, k_cache, v_cache, slots, starts, ends, each, each[:-1], scale, out, lse)
-    return out, lse
-
-
 def paged_attend(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, seg_starts: torch.Tensor,
     seg_ends: torch.Tensor, seg_ptr: torch.Tensor, seg_tokens: torch.Tensor, scale: float, out: torch.Tensor,

@@ -70,7 +70,9 @@ static inline void prefetch_floats(const float *p, int64_t n) {
 }
 
 /* Prefetch the row of `row` floats at `base + slot * row` (every KV head of one slot). */
-static inline void prefetch_row(const float *base, int64_t slot, int64_t row) { prefetch_floats(base + slot * row, row); }
+static inline void prefetch_row(const float *base, int64_t slot, int64_t row) {
+    prefetch_floats(base + slot * row, row);
+}
 
 /* One chunk of n <= TOKEN_CHUNK slots for query qb [Hq, D]: per head, the scores' maximum (m), the sum of
  * their exponentials against it (l) and sum_i exp(s_i - m) * v_i (acc [Hq, D]). */
@@ -242,15 +244,20 @@ static inline int64_t readable(int64_t len, int64_t causal, int64_t j) {
     return causal + j + 1 < len ? causal + j + 1 : len;
 }
 
+/* Whether segment s takes the several-row path: read by several tokens, and a head size it takes. */
+static inline int several(const int64_t *seg_ptr, int64_t s, int64_t d) {
+    return seg_ptr[s + 1] - seg_ptr[s] > 1 && d % 16 == 0;
+}
+
 /* The items of segment s (see the header), into it[] when it is not NULL; returns their count. A
- * segment of several tokens (multi) is cut into blocks of qb tokens, each block's readable range
- * into spans of span chunks; a one-token segment into single chunks. */
+ * segment on the several-row path (multi) is cut into blocks of qb tokens, each block's readable
+ * range into spans of span chunks; any other segment token by token, into single chunks. */
 static int64_t make_items(int64_t s, const int64_t *seg_starts, const int64_t *seg_ends, const int64_t *seg_ptr,
                           const int64_t *seg_causal, int64_t qb, int64_t span, int multi, item_t *it,
                           int64_t *part, int64_t per_token) {
     const int64_t nq = seg_ptr[s + 1] - seg_ptr[s], len = seg_ends[s] - seg_starts[s];
     const int64_t causal = seg_causal != NULL ? seg_causal[s] : -1;
-    const int64_t step = qb;
+    const int64_t step = multi ? qb : 1;
     int64_t c = 0;
     for (int64_t q0 = 0; q0 < nq; q0 += step) {
         const int64_t m = nq - q0 < step ? nq - q0 : step;
@@ -275,19 +282,17 @@ int strata_paged_attend_f32(const float *q, const float *k, const float *v, cons
     const int64_t group = hq / hkv;
     const int64_t row = hkv * d;
     const int64_t qb = group >= QB_ROWS ? 1 : QB_ROWS / group; /* tokens per item of several */
-    const int multi_ok = d % 16 == 0;
     const int64_t per_token = hq * (d + 2);
     /* the span: chunks of several-token items, one chunk each first, then as many as keep ITEMS_WANTED */
     int64_t work = 0;
     for (int64_t s = 0; s < nseg; s++)
-        if (seg_ptr[s + 1] - seg_ptr[s] > 1 && multi_ok)
+        if (several(seg_ptr, s, d))
             work += make_items(s, seg_starts, seg_ends, seg_ptr, seg_causal, qb, 1, 1, NULL, NULL, 0);
     const int64_t span = work / ITEMS_WANTED > 1 ? work / ITEMS_WANTED : 1;
     int64_t items = 0;
-    for (int64_t s = 0; s < nseg; s++) {
-        const int multi = seg_ptr[s + 1] - seg_ptr[s] > 1 && multi_ok;
-        items += make_items(s, seg_starts, seg_ends, seg_ptr, seg_causal, multi ? qb : 1, span, multi, NULL, NULL, 0);
-    }
+    for (int64_t s = 0; s < nseg; s++)
+        items += make_items(s, seg_starts, seg_ends, seg_ptr, seg_causal, qb, span, several(seg_ptr, s, d), NULL, NULL,
+                            0);
     item_t *it = malloc(sizeof(item_t) * (items + 1));
     int64_t *cnt = calloc(ntok + 1, sizeof(int64_t)); /* then each token's first occurrence */
     if (it == NULL || cnt == NULL) {
@@ -299,9 +304,9 @@ int strata_paged_attend_f32(const float *q, const float *k, const float *v, cons
     int64_t c = 0, part = 0;
     for (int pass = 0; pass < 2; pass++)
         for (int64_t s = 0; s < nseg; s++) {
-            const int multi = seg_ptr[s + 1] - seg_ptr[s] > 1 && multi_ok;
+            const int multi = several(seg_ptr, s, d);
             if (multi != (pass == 0)) continue;
-            c += make_items(s, seg_starts, seg_ends, seg_ptr, seg_causal, multi ? qb : 1, span, multi, it + c, &part,
+            c += make_items(s, seg_starts, seg_ends, seg_ptr, seg_causal, qb, span, multi, it + c, &part,
                             per_token);
         }
     for (int64_t i = 0; i < items; i++)
@@ -347,7 +352,7 @@ int strata_paged_attend_f32(const float *q, const float *k, const float *v, cons
             const int64_t base = w.lo - seg_starts[w.seg], len = seg_ends[w.seg] - seg_starts[w.seg];
             const int64_t causal = seg_causal != NULL ? seg_causal[w.seg] : -1;
             const int64_t first = w.q0 - seg_ptr[w.seg]; /* this item's first token among the segment's */
-            if (seg_ptr[w.seg + 1] - seg_ptr[w.seg] == 1 || !multi_ok) { /* token by token, one chunk */
+            if (!several(seg_ptr, w.seg, d)) { /* token by token, one chunk */
                 for (int64_t m = 0; m < w.nq; m++) {
                     /* one token's m [Hq], l [Hq], acc [Hq, D] are its item's layout when it is alone */
                     float *tmp = w.nq == 1 ? pm : scores + hq * TOKEN_CHUNK;
@@ -368,8 +373,8 @@ int strata_paged_attend_f32(const float *q, const float *k, const float *v, cons
                 continue;
             }
             const int64_t r16 = (w.nq * group + 15) / 16 * 16; /* this item's rows, padded */
-            float *sc = scores + hq * TOKEN_CHUNK + per_token, *qt = sc + CHUNK * r16, *mx = qt + d * r16, *sum = mx + r16;
-            float *acc = sum + r16, *rmx = acc + r16 * d, *rsum = rmx + r16, *racc = rsum + r16;
+            float *sc = scores + hq * TOKEN_CHUNK + per_token, *qt = sc + CHUNK * r16, *mx = qt + d * r16;
+            float *sum = mx + r16, *acc = sum + r16, *rmx = acc + r16 * d, *rsum = rmx + r16, *racc = rsum + r16;
             for (int64_t kh = 0; kh < hkv; kh++) {
                 memset(qt, 0, sizeof(float) * d * r16);
                 for (int64_t m = 0; m < w.nq; m++)

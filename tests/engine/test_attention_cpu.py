@@ -146,19 +146,30 @@ def test_loading_the_native_kernel_keeps_subnormal_floats() -> None:
     assert float(torch.tensor([1e-40], dtype=torch.float32).mul(1.0)) > 0.0
 
 
+def _decodes(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
+    ends: torch.Tensor, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``native.paged_attend`` with one segment per query, as a batch of decodes calls it."""
+    out, lse = torch.empty(q.shape, dtype=torch.float32), torch.empty(q.shape[:2], dtype=torch.float32)
+    each = torch.arange(q.shape[0] + 1)
+    native.paged_attend(q, k_cache, v_cache, slots, starts, ends, each, each[:-1], scale, out, lse)
+    return out, lse
+
+
 def test_native_decode_rejects_what_it_cannot_read() -> None:
     if native.load() is None:
         pytest.skip("no C compiler here")
     k = torch.zeros(8, 2, 4)
     starts, ends = torch.tensor([0]), torch.tensor([2])
     with pytest.raises(ValueError, match="q must be a contiguous fp32"):
-        native.paged_decode(torch.zeros(1, 2, 4, dtype=torch.float64), k, k, torch.tensor([1, 2]), starts, ends, 1.0)
+        _decodes(torch.zeros(1, 2, 4, dtype=torch.float64), k, k, torch.tensor([1, 2]), starts, ends, 1.0)
     with pytest.raises(ValueError, match="shapes do not fit"):
-        native.paged_decode(torch.zeros(1, 3, 4), k, k, torch.tensor([1, 2]), starts, ends, 1.0)
+        _decodes(torch.zeros(1, 3, 4), k, k, torch.tensor([1, 2]), starts, ends, 1.0)
     with pytest.raises(ValueError, match="shapes do not fit"):  # an end per request
-        native.paged_decode(torch.zeros(1, 2, 4), k, k, torch.tensor([1, 2]), starts, torch.tensor([1, 2]), 1.0)
+        _decodes(torch.zeros(1, 2, 4), k, k, torch.tensor([1, 2]), starts, torch.tensor([1, 2]), 1.0)
     with pytest.raises(ValueError, match="starts must be a contiguous int64"):
-        native.paged_decode(torch.zeros(1, 2, 4), k, k, torch.tensor([1, 2]), starts.int(), ends, 1.0)
+        _decodes(torch.zeros(1, 2, 4), k, k, torch.tensor([1, 2]), starts.int(), ends, 1.0)
 
 
 def test_native_decode_splits_long_ranges_exactly() -> None:
@@ -175,7 +186,7 @@ def test_native_decode_splits_long_ranges_exactly() -> None:
     ends = torch.tensor(lengths).cumsum(0)
     starts = ends - torch.tensor(lengths)
     q = torch.randn(len(lengths), HQ, D, generator=g)
-    out, lse = native.paged_decode(q, k_cache, v_cache, slots, starts, ends, 0.3)
+    out, lse = _decodes(q, k_cache, v_cache, slots, starts, ends, 0.3)
     for b, (s, e) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
         keys = k_cache[slots[s:e]].double().repeat_interleave(HQ // HKV, dim=1)  # [n, Hq, D]
         vals = v_cache[slots[s:e]].double().repeat_interleave(HQ // HKV, dim=1)
@@ -184,7 +195,7 @@ def test_native_decode_splits_long_ranges_exactly() -> None:
         assert float((out[b] - want).abs().max()) < 1e-5, f"length {lengths[b]}"
         assert float((lse[b] - scores.logsumexp(-1)).abs().max()) < 1e-4, f"length {lengths[b]}"
         one = slice(b, b + 1)
-        alone, alone_lse = native.paged_decode(q[one], k_cache, v_cache, slots, starts[one], ends[one], 0.3)
+        alone, alone_lse = _decodes(q[one], k_cache, v_cache, slots, starts[one], ends[one], 0.3)
         assert torch.equal(alone[0], out[b]) and torch.equal(alone_lse[0], lse[b])
 
 
