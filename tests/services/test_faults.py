@@ -342,9 +342,11 @@ def test_overload_sheds_at_once_and_serves_the_admitted(tiny_qwen3: Path, tmp_pa
         print(f"[fault] overload: {len(shed)} shed in {statistics.median(shed) * 1000:.0f} ms (median), "
               f"max {max(shed) * 1000:.0f} ms; {len(served)} served")
         # "At once" against this machine's own pace, not a fixed bar (CI's 2 shared cores answered
-        # in 0.14 s one day): the shed answers come before any admitted request has finished, so
-        # nothing was queued behind them.
-        assert statistics.median(shed) < min(served) and max(shed) < 1.0, (shed, served)
+        # in 0.14 s one day): the shed answers come before the admitted requests that had to wait
+        # for one of the 2 running rows, so nothing was queued behind them. (The first two admitted
+        # may finish first: the tiny model produces 48 tokens in ~0.14 s, CI once saw 0.136 s against
+        # a shed median of 0.18 s.)
+        assert statistics.median(shed) < sorted(served)[2] and max(shed) < 1.0, (shed, served)
         with open(tmp_path / "scheduler.log") as f:
             assert "Traceback" not in f.read()
     finally:
