@@ -50,6 +50,23 @@ The copy doubles the weights' memory. Its rounding is oneDNN's, not MKL's: prefi
 by ~1e-6 relative from transformers', within the bar (the engine tier's exactness tests, hybrid
 model included, pass with the copies on every step).
 
+**Batch copies** (``pack_batches``): MKL's own packed format (``cblas_sgemm_pack``, through
+``torch.ops.mkl._mkl_reorder_linear_weight`` / ``_mkl_linear``), packed for ``BATCH_ROWS`` rows and
+used inside ``few_rows`` at more than 8 rows (a decode batch), before a oneDNN copy. MKL's
+``sgemm`` repacks the weight on every call, and at a decode batch that copy is much of the product
+(``perf``, a 64-row decode step of the bench model on an AVX-512 Xeon: 24 % of the step in
+``sgemm_scopy``). A pass over the bench model's 57 matrices (2 threads), ms, ``F.linear`` / copies
+packed for 16, 64, 256 rows:
+
+    M          9     16     32     64    128    256
+    F.linear 10.6  14.3   16.7   22.5   39.1   62.9
+    pack 16   9.5  10.3   14.5   21.1   40.3   66.5
+    pack 64   9.1   9.8   12.0   16.6   35.9   59.4
+    pack 256  9.8  10.5   12.8   17.5   34.5   53.9
+
+(oneDNN's copies 18.9-20.5 ms at 64 rows). At the rows packed for, and at 2,048, the products are
+bit for bit ``F.linear``'s; at other row counts they differ by rounding.
+
 The skinny kernel runs only where the build has AVX-512 (``pays``): it keeps 24 16-lane
 accumulators and 4 operands in registers, which AVX-512's 32 hold and AVX2's 16 do not. On an
 AVX2-only EPYC (2 threads, the 56 matrices without the LM head, warm) it spilled and lost to MKL,
@@ -109,6 +126,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     fp32_cpu = x.dtype == torch.float32 and x.device.type == "cpu"
     if decode and rows in getattr(weight, NATIVE, ()) and fp32_cpu:
         return _rows(x.reshape(rows, k).contiguous(), weight, bias).view(*x.shape[:-1], weight.shape[0])
+    if decode and rows > BATCH_MIN_ROWS and fp32_cpu and (batched := getattr(weight, BATCHED, None)) is not None:
+        return _batched(x.reshape(rows, k).contiguous(), batched, weight, bias).view(*x.shape[:-1], weight.shape[0])
     packed = getattr(weight, PACKED, None)
     if packed is not None and fp32_cpu and ("decode" if decode else "prefill") in getattr(weight, PACKED_STEPS, ()):
         return _packed(x.reshape(-1, k).contiguous(), packed, bias).view(*x.shape[:-1], weight.shape[0])
@@ -134,6 +153,11 @@ def _packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) ->
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def _batched(x: torch.Tensor, batched: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [M, K]`` (contiguous) times a weight's MKL-packed copy (``pack_batches``), plus ``bias``."""
+    return torch.ops.mkl._mkl_linear(x, batched, weight, bias, x.shape[0])
+
+
 def _native(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     lib = load()
     assert lib is not None
@@ -150,6 +174,9 @@ PACKED_STEPS = "strata_packed_steps"  # on a packed weight: the steps that use t
 STEPS = frozenset({"decode", "prefill"})  # decode: inside ``few_rows``; prefill: any other forward
 NATIVE = "strata_native_rows"  # on a weight Parameter: the row counts whose products take ``_rows``
 NATIVE_ROWS = frozenset(range(1, 9))  # what the 8-lane kernel takes
+BATCHED = "strata_batch_packed"  # on a weight Parameter: its MKL-packed copy for decode batches
+BATCH_ROWS = 64  # the rows MKL packs those copies for (they serve 9 to a few hundred rows)
+BATCH_MIN_ROWS = max(NATIVE_ROWS)  # decode steps of more rows than this take the copies
 
 
 def pack(model: nn.Module, steps: frozenset[str] = STEPS) -> int:
@@ -175,6 +202,58 @@ def unpack(model: nn.Module) -> None:
         if isinstance(mod, Linear) and hasattr(mod.weight, PACKED):
             delattr(mod.weight, PACKED)
             delattr(mod.weight, PACKED_STEPS)
+
+
+def batches_packable() -> bool:
+    """Whether this torch has MKL's packed GEMM (``cblas_sgemm_pack`` / ``_compute``)."""
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+def pack_batches(model: nn.Module) -> int:
+    """Give each fp32 CPU weight of ``model``'s ``Linear`` layers an MKL-packed copy for decode
+    batches (packed for ``BATCH_ROWS`` rows), which ``linear`` uses inside ``few_rows`` at more than
+    ``BATCH_MIN_ROWS`` rows; returns the bytes the copies take (0 where MKL's packing is missing)."""
+    if not batches_packable():
+        return 0
+    total = 0
+    with torch.no_grad():
+        for mod in model.modules():
+            w = mod.weight if isinstance(mod, Linear) else None
+            if w is None or w.dtype != torch.float32 or w.device.type != "cpu":
+                continue
+            if not hasattr(w, BATCHED):
+                setattr(w, BATCHED, torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), BATCH_ROWS))
+            total += w.numel() * w.element_size()
+    return total
+
+
+def unpack_batches(model: nn.Module) -> None:
+    """Drop the copies ``pack_batches`` made."""
+    for mod in model.modules():
+        if isinstance(mod, Linear) and hasattr(mod.weight, BATCHED):
+            delattr(mod.weight, BATCHED)
+
+
+def batch_timing(model: nn.Module, rows: int = 32, rounds: int = 3) -> tuple[float, float]:
+    """Seconds for one pass at ``rows`` rows (a decode batch) over every weight ``pack_batches``
+    packed, as a decode step multiplies without the copies (the oneDNN copy where decode steps keep
+    it, else MKL on the plain weight) and with them; medians of ``rounds`` alternated passes."""
+    weights = [m.weight for m in model.modules() if isinstance(m, Linear) and hasattr(m.weight, BATCHED)]
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+
+    def other() -> None:
+        for w in weights:
+            p = getattr(w, PACKED, None)
+            if p is not None and "decode" in getattr(w, PACKED_STEPS, ()):
+                _packed(inputs[w.shape[1]], p, None)
+            else:
+                F.linear(inputs[w.shape[1]], w)
+
+    def batched() -> None:
+        for w in weights:
+            _batched(inputs[w.shape[1]], getattr(w, BATCHED), w, None)
+
+    return _alternated(other, batched, rounds)
 
 
 def mark_native(model: nn.Module, rows: frozenset[int] = NATIVE_ROWS) -> int:

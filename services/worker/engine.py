@@ -38,7 +38,20 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
-from kernels.linear import NATIVE_ROWS, STEPS, few_rows, mark_native, native_timing, pack, packed_timing, unpack
+from kernels.linear import (
+    BATCH_ROWS,
+    NATIVE_ROWS,
+    STEPS,
+    batch_timing,
+    few_rows,
+    mark_native,
+    native_timing,
+    pack,
+    pack_batches,
+    packed_timing,
+    unpack,
+    unpack_batches,
+)
 from services.common.step import (
     MAX_TOP_LOGPROBS,
     HostBackup,
@@ -89,6 +102,7 @@ __all__ = ["Engine", "EngineConfig"]
 log = logging.getLogger(__name__)
 PACKED_GAIN = 1.1  # packed_weights=auto: how much faster the packed copies must measure to be kept
 PREFILL_TIMING_ROWS = 64  # packed_weights=auto: the rows of the pass that stands for a prefill chunk
+BATCH_TIMING_ROWS = 32  # packed_weights=auto: the rows of the pass that stands for a decode batch
 
 
 class Engine:
@@ -118,6 +132,7 @@ class Engine:
         self.device = device
         self.model = model
         self._pack_weights()
+        self._pack_batches()
         self._choose_native_linear()
         backing = choose_backing(device)
         slot_bytes = self._make_pools(dtype, context, backing, l3)
@@ -168,6 +183,31 @@ class Engine:
             pack(model, steps)
         log.info("linear weights: oneDNN-packed copies for %s steps, +%.0f MiB (%s)",
                  " and ".join(sorted(steps)), added / (1 << 20), how)  # fmt: skip
+
+    def _pack_batches(self) -> None:
+        """MKL-packed copies of the linear weights for decode steps of more than 8 rows
+        (``kernels.linear.pack_batches``): MKL's ``sgemm`` repacks each weight on every call, and at
+        a decode batch that copy is a large part of the product (a quarter of a 64-row decode step
+        of the bench model, in ``perf``). With ``packed_weights`` on, always; auto, where a pass over
+        the weights at ``BATCH_TIMING_ROWS`` rows measured at least ``PACKED_GAIN`` times faster with
+        them than as a decode step multiplies without. CPU and fp32 only."""
+        mode = self.cfg.packed_weights
+        if mode == "off" or self.device.type != "cpu" or self.cfg.dtype != "float32":
+            return
+        model = cast(torch.nn.Module, self.model)
+        added = pack_batches(model)
+        if not added:
+            return
+        how = "on"
+        if mode == "auto":
+            without, with_ = batch_timing(model, BATCH_TIMING_ROWS)
+            how = f"a pass at {BATCH_TIMING_ROWS} rows: without {without * 1e3:.1f} ms, with {with_ * 1e3:.1f} ms"
+            if without < PACKED_GAIN * with_:
+                unpack_batches(model)
+                log.info("linear weights: no MKL-packed copies for decode batches (%s)", how)
+                return
+        log.info("linear weights: MKL-packed copies (for %d rows) for decode steps of 9 rows or more, +%.0f MiB (%s)",
+                 BATCH_ROWS, added / (1 << 20), how)  # fmt: skip
 
     def _choose_native_linear(self) -> None:
         """The native 8-lane kernel for decode steps of 1-8 rows (``kernels.linear.mark_native``):

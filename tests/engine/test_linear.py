@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import kernels.linear
 from kernels.linear import (
+    BATCHED,
     NATIVE,
     NATIVE_ROWS,
     PACKED,
@@ -22,14 +23,18 @@ from kernels.linear import (
     ROWS,
     STEPS,
     Linear,
+    batch_timing,
+    batches_packable,
     few_rows,
     linear,
     mark_native,
     native_timing,
     pack,
+    pack_batches,
     packed_timing,
     pays,
     unpack,
+    unpack_batches,
 )
 from kernels.native import load
 from services.common.step import ReqInput, StepRequest
@@ -150,6 +155,59 @@ def test_packed_copies_serve_the_steps_they_were_packed_for() -> None:
     unpack(model)
     assert not any(hasattr(m.weight, a) for m in model[:2] for a in (PACKED, PACKED_STEPS))
     assert pack(model.double()) == 0  # fp64: not packed
+
+
+@pytest.mark.skipif(not batches_packable(), reason="this torch has no MKL packed GEMM")
+def test_batch_copies_serve_decode_batches_of_more_than_8_rows() -> None:
+    """``pack_batches``: each fp32 weight of the model's ``Linear`` layers gets an MKL-packed copy,
+    which ``linear`` uses inside ``few_rows`` at more than 8 rows (within rounding of ``F.linear``,
+    any row count, not only the one packed for); at 1-8 rows and outside ``few_rows`` it is not
+    used. ``unpack_batches`` drops the copies."""
+    gen = torch.Generator().manual_seed(4)
+    model = torch.nn.Sequential(Linear(40, 48), Linear(48, 8, bias=False), torch.nn.Linear(8, 8))
+    assert pack_batches(model) == (48 * 40 + 8 * 48) * 4
+    assert hasattr(model[0].weight, BATCHED) and not hasattr(model[2].weight, BATCHED)
+    w, b = model[0].weight, model[0].bias
+    for rows in (1, 8, 9, 33, 64, 65, 200):
+        x = torch.randn(rows, 3, 40, generator=gen)[:, 1]  # not contiguous
+        with torch.inference_mode():
+            want = F.linear(x, w, b)
+            with few_rows(True):
+                inside = linear(x, w, b)
+            outside = linear(x, w, b)
+            copy = torch.ops.mkl._mkl_linear(x.contiguous(), getattr(w, BATCHED), w, b, rows)
+        torch.testing.assert_close(inside, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(outside, want)  # a prefill chunk: MKL on the plain weight
+        if rows > 8:
+            assert torch.equal(inside, copy), rows  # the copy, for a decode batch
+    x3 = torch.randn(4, 3, 48, generator=gen)  # [..., K] inputs keep their leading shape
+    with torch.inference_mode(), few_rows(True):
+        torch.testing.assert_close(linear(x3, model[1].weight), F.linear(x3, model[1].weight), rtol=1e-5, atol=1e-5)
+    without, with_ = batch_timing(model, rows=16, rounds=1)
+    assert without > 0 and with_ > 0
+    unpack_batches(model)
+    assert not any(hasattr(m.weight, BATCHED) for m in model[:2])
+    assert pack_batches(model.double()) == 0  # fp64: not packed
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu" or not batches_packable(), reason="MKL's packed GEMM is the CPU's")
+def test_decode_batches_take_the_batch_copies_and_equal_transformers(
+    tiny_qwen3: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``packed_weights`` on, decode steps of more than 8 requests multiply with the MKL-packed
+    copies, and greedy output stays transformers' for every request."""
+    calls: list[int] = []
+    batched = kernels.linear._batched
+    monkeypatch.setattr(kernels.linear, "_batched", lambda x, *a: calls.append(x.shape[0]) or batched(x, *a))
+    eng = Engine(tiny_qwen3, EngineConfig(kv_cache_bytes=1 << 22, max_rows=16, packed_weights="on"))
+    rng = random.Random(6)
+    prompts = [[rng.randrange(5, 700) for _ in range(rng.randrange(3, 30))] for _ in range(12)]
+    lengths = [rng.randrange(6, 14) for _ in prompts]
+    outs, loop = h.run(eng, [h.Spec(p, n) for p, n in zip(prompts, lengths, strict=True)], LoopConfig(cache="radix"))
+    for p, n, o in zip(prompts, lengths, outs, strict=True):
+        assert o.ids == hf_greedy(tiny_qwen3, p, n, stop_at_eos=False)
+    assert calls and min(calls) > 8, calls
+    loop.batcher.mem.check_idle()
 
 
 @pytest.mark.parametrize("rows", range(1, 9))
