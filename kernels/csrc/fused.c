@@ -14,8 +14,19 @@
 #include <math.h>
 #include <stdint.h>
 
+/* Below these sizes (values in the tensor) a chain runs on the calling thread: a decode batch's
+ * [64, 512] norm is ~10 us of work, and entering the parallel region right after a GEMM's cost
+ * more than that (in a 64-row decode step of the bench model the three chains took 4.9 ms
+ * parallel, 2.1 ms with these bounds). silu's expf is heavier, so it goes parallel sooner. */
+#ifndef SERIAL_BELOW
+#define SERIAL_BELOW 262144
+#endif
+#ifndef SILU_SERIAL_BELOW
+#define SILU_SERIAL_BELOW 16384
+#endif
+
 void strata_silu_mul_f32(float *gate, const float *up, int64_t n) {
-#pragma omp parallel for simd schedule(static)
+#pragma omp parallel for simd schedule(static) if (n > SILU_SERIAL_BELOW)
     for (int64_t i = 0; i < n; i++) {
         const float g = gate[i];
         gate[i] = g / (1.0f + expf(-g)) * up[i];
@@ -30,7 +41,7 @@ static inline float inv_rms(const float *x, int64_t h, float eps) {
 
 void strata_add_rms_norm_f32(float *x, const float *residual, const float *weight, float *out, int64_t rows,
                              int64_t h, float eps) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * h > SERIAL_BELOW)
     for (int64_t r = 0; r < rows; r++) {
         float *xr = x + r * h;
         const float *res = residual + r * h;
@@ -49,7 +60,7 @@ void strata_add_rms_norm_f32(float *x, const float *residual, const float *weigh
 void strata_rms_norm_rope_f32(float *x, int64_t t, int64_t heads, int64_t d, const float *weight, float eps,
                               const float *cos_t, const float *sin_t, int64_t rot) {
     const int64_t half = rot / 2;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (t * heads * d > SERIAL_BELOW)
     for (int64_t row = 0; row < t * heads; row++) {
         float *xr = x + row * d;
         const int64_t tok = row / heads;

@@ -20,7 +20,7 @@ def test_silu_mul(shape: tuple[int, int]) -> None:
     assert torch.allclose(fused.silu_mul_(g.clone(), u), want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("shape", [(1, 8), (5, 64), (300, 512), (7, 1000)])
+@pytest.mark.parametrize("shape", [(1, 8), (5, 64), (300, 512), (7, 1000), (600, 512)])  # serial below 2^18 values
 def test_add_rms_norm(shape: tuple[int, int]) -> None:
     x, r, w = torch.randn(shape) * 3, torch.randn(shape), torch.randn(shape[1])
     xs = x + r
@@ -33,6 +33,7 @@ def test_add_rms_norm(shape: tuple[int, int]) -> None:
 
 @pytest.mark.parametrize(("t", "heads", "d", "rot", "norm"), [
     (1, 1, 8, 8, True), (17, 8, 64, 64, True), (5, 4, 64, 16, True), (33, 2, 32, 32, False), (2, 3, 128, 64, False),
+    (600, 8, 64, 64, True),  # over 2^18 values: the parallel loop
 ])  # fmt: skip
 def test_rms_norm_rope(t: int, heads: int, d: int, rot: int, norm: bool) -> None:
     rotary = RotaryEmbedding(d, rot, 10000.0)
