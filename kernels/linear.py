@@ -185,15 +185,19 @@ def pack(model: nn.Module, steps: frozenset[str] = STEPS) -> int:
     outside it); returns the bytes the copies take."""
     total = 0
     with torch.no_grad():
-        for mod in model.modules():
-            w = mod.weight if isinstance(mod, Linear) else None
-            if w is None or w.dtype != torch.float32 or w.device.type != "cpu":
-                continue
+        for w in _fp32_cpu_weights(model):
             if not hasattr(w, PACKED):
                 setattr(w, PACKED, torch.ops.mkldnn._reorder_linear_weight(w.detach()))
             setattr(w, PACKED_STEPS, steps & STEPS)
             total += w.numel() * w.element_size()
     return total
+
+
+def _fp32_cpu_weights(model: nn.Module) -> Iterator[torch.Tensor]:
+    """The fp32 CPU weights of ``model``'s ``Linear`` layers (ours, not torch's own)."""
+    for mod in model.modules():
+        if isinstance(mod, Linear) and mod.weight.dtype == torch.float32 and mod.weight.device.type == "cpu":
+            yield mod.weight
 
 
 def unpack(model: nn.Module) -> None:
@@ -217,10 +221,7 @@ def pack_batches(model: nn.Module) -> int:
         return 0
     total = 0
     with torch.no_grad():
-        for mod in model.modules():
-            w = mod.weight if isinstance(mod, Linear) else None
-            if w is None or w.dtype != torch.float32 or w.device.type != "cpu":
-                continue
+        for w in _fp32_cpu_weights(model):
             if not hasattr(w, BATCHED):
                 setattr(w, BATCHED, torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), BATCH_ROWS))
             total += w.numel() * w.element_size()
@@ -236,24 +237,8 @@ def unpack_batches(model: nn.Module) -> None:
 
 def batch_timing(model: nn.Module, rows: int = 32, rounds: int = 3) -> tuple[float, float]:
     """Seconds for one pass at ``rows`` rows (a decode batch) over every weight ``pack_batches``
-    packed, as a decode step multiplies without the copies (the oneDNN copy where decode steps keep
-    it, else MKL on the plain weight) and with them; medians of ``rounds`` alternated passes."""
-    weights = [m.weight for m in model.modules() if isinstance(m, Linear) and hasattr(m.weight, BATCHED)]
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
-
-    def other() -> None:
-        for w in weights:
-            p = getattr(w, PACKED, None)
-            if p is not None and "decode" in getattr(w, PACKED_STEPS, ()):
-                _packed(inputs[w.shape[1]], p, None)
-            else:
-                F.linear(inputs[w.shape[1]], w)
-
-    def batched() -> None:
-        for w in weights:
-            _batched(inputs[w.shape[1]], getattr(w, BATCHED), w, None)
-
-    return _alternated(other, batched, rounds)
+    packed, as a decode step multiplies without the copies and with them (``_against_decode``)."""
+    return _against_decode(model, BATCHED, rows, rounds, lambda x, w: _batched(x, getattr(w, BATCHED), w, None))
 
 
 def mark_native(model: nn.Module, rows: frozenset[int] = NATIVE_ROWS) -> int:
@@ -299,9 +284,19 @@ def packed_timing(
 
 def native_timing(model: nn.Module, rows: int, rounds: int = 3) -> tuple[float, float]:
     """Seconds for one pass at ``rows`` rows (a small decode batch) over every weight
-    ``mark_native`` marked, as a decode step without the kernel multiplies (the packed copy where
-    there is one, else MKL) and with the kernel; medians of ``rounds`` alternated passes of each."""
-    weights = [m.weight for m in model.modules() if isinstance(m, Linear) and hasattr(m.weight, NATIVE)]
+    ``mark_native`` marked, as a decode step multiplies without the kernel and with it
+    (``_against_decode``)."""
+    return _against_decode(model, NATIVE, rows, rounds, lambda x, w: _rows(x, w, None))
+
+
+def _against_decode(
+    model: nn.Module, marker: str, rows: int, rounds: int, candidate: Callable[[torch.Tensor, torch.Tensor], object]
+) -> tuple[float, float]:
+    """Seconds for one pass at ``rows`` rows over every weight of ``model``'s ``Linear`` layers
+    that has attribute ``marker``: as a decode step multiplies without ``candidate`` (the oneDNN
+    copy where decode steps keep it, else MKL on the plain weight), and with ``candidate(x, w)``;
+    medians of ``rounds`` alternated passes of each."""
+    weights = [m.weight for m in model.modules() if isinstance(m, Linear) and hasattr(m.weight, marker)]
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
 
     def other() -> None:
@@ -312,11 +307,11 @@ def native_timing(model: nn.Module, rows: int, rounds: int = 3) -> tuple[float, 
             else:
                 F.linear(inputs[w.shape[1]], w)
 
-    def native() -> None:
+    def with_candidate() -> None:
         for w in weights:
-            _rows(inputs[w.shape[1]], w, None)
+            candidate(inputs[w.shape[1]], w)
 
-    return _alternated(other, native, rounds)
+    return _alternated(other, with_candidate, rounds)
 
 
 def _alternated(a: Callable[[], None], b: Callable[[], None], rounds: int) -> tuple[float, float]:

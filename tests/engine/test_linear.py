@@ -113,6 +113,17 @@ def test_linear_dispatch_agrees_with_torch() -> None:
     assert set(dict(layer.named_parameters())) == {"weight", "bias"}  # the checkpoint's names
 
 
+def _inside_and_outside(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``F.linear(x, w, b)``, and ``linear``'s inside ``few_rows`` (a decode step) and outside it."""
+    with torch.inference_mode():
+        want = F.linear(x, w, b)
+        with few_rows(True):
+            inside = linear(x, w, b)
+        return want, inside, linear(x, w, b)
+
+
 def test_packed_copies_serve_the_steps_they_were_packed_for() -> None:
     """``pack``: each fp32 weight of the model's ``Linear`` layers gets a oneDNN-packed copy, which
     ``linear`` uses for the steps given: "decode" inside ``few_rows``, "prefill" outside it, at any
@@ -130,11 +141,7 @@ def test_packed_copies_serve_the_steps_they_were_packed_for() -> None:
         assert pack(model, steps) == added  # the copies are kept, their steps set again
         for rows in (1, 2, 5, 9, 70):
             x = torch.randn(rows, 3, 40, generator=gen)[:, 1]  # not contiguous
-            with torch.inference_mode():
-                want = F.linear(x, w, b)
-                with few_rows(True):
-                    inside = linear(x, w, b)
-                outside = linear(x, w, b)
+            want, inside, outside = _inside_and_outside(x, w, b)
             for step, got in (("decode", inside), ("prefill", outside)):
                 if step in steps:
                     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -170,11 +177,8 @@ def test_batch_copies_serve_decode_batches_of_more_than_8_rows() -> None:
     w, b = model[0].weight, model[0].bias
     for rows in (1, 8, 9, 33, 64, 65, 200):
         x = torch.randn(rows, 3, 40, generator=gen)[:, 1]  # not contiguous
+        want, inside, outside = _inside_and_outside(x, w, b)
         with torch.inference_mode():
-            want = F.linear(x, w, b)
-            with few_rows(True):
-                inside = linear(x, w, b)
-            outside = linear(x, w, b)
             copy = torch.ops.mkl._mkl_linear(x.contiguous(), getattr(w, BATCHED), w, b, rows)
         torch.testing.assert_close(inside, want, rtol=1e-5, atol=1e-5)
         assert torch.equal(outside, want)  # a prefill chunk: MKL on the plain weight
