@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 import torch
 
 from kernels.linear import (
+    BATCH_MIN_ROWS,
     BATCH_ROWS,
     NATIVE_ROWS,
     STEPS,
@@ -206,8 +207,8 @@ class Engine:
                 unpack_batches(model)
                 log.info("linear weights: no MKL-packed copies for decode batches (%s)", how)
                 return
-        log.info("linear weights: MKL-packed copies (for %d rows) for decode steps of 9 rows or more, +%.0f MiB (%s)",
-                 BATCH_ROWS, added / (1 << 20), how)  # fmt: skip
+        log.info("linear weights: MKL-packed copies (for %d rows) for decode steps over %d rows, +%.0f MiB (%s)",
+                 BATCH_ROWS, BATCH_MIN_ROWS, added / (1 << 20), how)  # fmt: skip
 
     def _choose_native_linear(self) -> None:
         """The native 8-lane kernel for decode steps of 1-8 rows (``kernels.linear.mark_native``):
