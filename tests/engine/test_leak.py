@@ -37,6 +37,19 @@ def _slope(xs: list[float], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
 
 
+def _steady_growth(xs: list[float], ys: list[float]) -> float:
+    """The slope of ys over xs with their largest single rise taken out. The allocator may grow
+    the heap once by megabytes (glibc's mmap threshold moves after a large free, so a later
+    large block comes from the heap and stays mapped); a leak rises at every sample and
+    keeps its slope when one rise is removed."""
+    rises = [b - a for a, b in zip(ys, ys[1:], strict=False)]
+    worst = max(range(len(rises)), key=rises.__getitem__)
+    flat = [ys[0]]
+    for i, rise in enumerate(rises):
+        flat.append(flat[-1] + (0.0 if i == worst else rise))
+    return _slope(xs, flat)
+
+
 def _counts() -> tuple[int, int]:
     """(live pymalloc blocks, live tensors). Blocks count every small Python object, bytes and
     str included (``gc.get_objects`` sees containers only and would miss a leaked mask)."""
@@ -110,8 +123,9 @@ def test_constrained_overlap_decode_keeps_objects_and_rss_flat(tiny_qwen3: Path)
     # pool's ~1,000 slots (~37 more nodes over the window). Leaking one object per step is >= 1,
     # a mask per request 5+.
     assert _slope(steps, objects) < 0.8, objects
-    slope = _slope(steps, rss)
-    # Keeping one batch's logits per step would already be ~48 KB/step on this model.
+    slope = _steady_growth(steps, rss)
+    # Keeping one batch's logits per step would already be ~48 KB/step on this model. One
+    # jump of 4 MB in an otherwise flat window failed CI once at 13 KB/step: hence one rise out.
     assert slope < 4096, f"RSS grows {slope:.0f} B/step: {rss}"
 
 
