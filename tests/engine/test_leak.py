@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import json
 import sys
 import time
@@ -42,7 +43,7 @@ def _steady_growth(xs: list[float], ys: list[float]) -> float:
     the heap once by megabytes (glibc's mmap threshold moves after a large free, so a later
     large block comes from the heap and stays mapped); a leak rises at every sample and
     keeps its slope when one rise is removed."""
-    rises = [b - a for a, b in zip(ys, ys[1:], strict=False)]
+    rises = [b - a for a, b in itertools.pairwise(ys)]
     worst = max(range(len(rises)), key=rises.__getitem__)
     flat = [ys[0]]
     for i, rise in enumerate(rises):
