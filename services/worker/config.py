@@ -51,6 +51,9 @@ class WorkerConfig:
         "attention path: cascade = requests sharing a cached prefix attend to it once per group; flat = "
         "each request on its own; reference = the slow torch reference (for comparison)"))
     threads: int = field(default=0, metadata=_h("torch threads for the forward; 0 = one per core (of --cpus)"))
+    serial_step_mflops: float = field(default=100.0, metadata=_h(
+        "CPU: a forward whose work is estimated under this many MFLOPs (a few decodes of a small model) runs on "
+        "one of the threads, where a team would cost more CPU than it saves; 0 = every forward on every thread"))
     packed_weights: Literal["auto", "on", "off"] = field(default="auto", metadata=_h(
         "CPU, fp32: decode steps and prefill chunks multiply with oneDNN-packed copies of the linear weights "
         "(double the weights' memory); auto = each where a pass over them at its rows (2 for decode steps, 64 "
@@ -120,6 +123,8 @@ class WorkerConfig:
             raise ConfigError(f"host_state_share: must be > 0 and < 1, got {self.host_state_share}")
         if self.threads < 0:
             raise ConfigError("threads: must be >= 0 (0 = one per core)")
+        if not self.serial_step_mflops >= 0:
+            raise ConfigError("serial_step_mflops: must be >= 0 (0 = never)")
         if self.cpus:
             cpu_list(self.cpus)  # raises ConfigError naming the field
         if self.cuda_graph_max_batch < 0:

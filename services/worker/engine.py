@@ -94,6 +94,7 @@ from services.worker.pools import KVPool, ReqToTokenTable
 from services.worker.sampler import SamplerInput, sample
 from services.worker.scoring import sample_rows, score_prompts, want_logits
 from services.worker.step_check import check_step, decode_bitmask
+from services.worker.step_threads import StepCost, StepThreads
 from services.worker.tp import SINGLE, Tp
 
 if TYPE_CHECKING:
@@ -142,6 +143,7 @@ class Engine:
         self._ctx = ForwardContext(self.attn, self.mamba)
         self.draft = self._drafter(model_dir, loaded, dtype)
         self.graphs = self._decode_graphs()
+        self._threads = self._step_threads(loaded)
         self._last_sample: dict[int, int] = {}
         self._row_len: dict[int, int] = {}
         self._history: dict[int, list[int]] = {}
@@ -209,6 +211,20 @@ class Engine:
                 return
         log.info("linear weights: MKL-packed copies (for %d rows) for decode steps over %d rows, +%.0f MiB (%s)",
                  BATCH_ROWS, BATCH_MIN_ROWS, added / (1 << 20), how)  # fmt: skip
+
+    def _step_threads(self, loaded: LoadedModel) -> StepThreads | None:
+        """CPU: forwards of fewer than ``serial_step_mflops`` MFLOPs run on one thread
+        (``step_threads.py``); None where every forward uses every thread."""
+        threads = torch.get_num_threads()
+        if self.device.type != "cpu" or not self.cfg.serial_step_mflops or threads < 2:
+            return None
+        heads = int(loaded.hf_config.get("num_attention_heads", 0)) // self.tp.size
+        model = self.model
+        cost = StepCost.of(cast(torch.nn.Module, model), heads, model.head_dim, model.num_kv_layers)
+        below = int(self.cfg.serial_step_mflops * 1e6)
+        log.info("forwards under %g MFLOPs run on one thread of %d (a token: %.1f MFLOPs, the weights' read: %.0f)",
+                 self.cfg.serial_step_mflops, threads, cost.token / 1e6, cost.body_read / 1e6)  # fmt: skip
+        return StepThreads(cost, threads, below)
 
     def _choose_native_linear(self) -> None:
         """The native 8-lane kernel for decode steps of 1-8 rows (``kernels.linear.mark_native``):
@@ -362,6 +378,8 @@ class Engine:
             if not req.reqs:
                 return torch.empty((0, self.info.vocab_size), dtype=torch.float32, device=self.device)
             inp = self._batch_input(req.reqs)
+            if self._threads is not None:
+                self._threads.fit(inp)
             if self.draft is not None:
                 self.draft.propose(req.reqs, inp)
             logits, hidden = self._run_target(inp, all_logits=True)
@@ -396,6 +414,8 @@ class Engine:
         # Hybrid rows verifying drafts: their recurrent states from before the pass, to roll back.
         saved = self.mamba.save([cast(int, r.mamba_slot) for r in drafting]) if drafting and self.mamba else None
         inp = self._batch_input(req.reqs)
+        if self._threads is not None:
+            self._threads.fit(inp)
         if self.draft is not None:  # its KV follows the target's; the drafts it owes are written
             self.draft.propose(req.reqs, inp)
         logits, hidden = self._run_target(inp, all_logits=False)

@@ -59,6 +59,9 @@ class EngineConfig:
     host_state_share: float = 0.25
     attention: AttentionPath = "cascade"
     threads: int = 0  # torch intra-op threads; 0 = torch's default (one per core)
+    # CPU: forwards of fewer estimated MFLOPs than this run on one of the threads (step_threads.py);
+    # 0 = every forward on every thread.
+    serial_step_mflops: float = 100.0
     # CUDA: decode batches of up to this many requests replay CUDA graphs (cuda_graphs.py); 0 = off.
     cuda_graph_max_batch: int = 256
     draft_model: str = ""  # speculative decoding: a draft checkpoint with the target's tokenizer
@@ -104,6 +107,8 @@ class EngineConfig:
             )
         if self.threads < 0:
             raise ValueError(f"EngineConfig.threads must be >= 0 (0 = torch's default), got {self.threads}")
+        if not self.serial_step_mflops >= 0:
+            raise ValueError(f"EngineConfig.serial_step_mflops must be >= 0 (0 = never), got {self.serial_step_mflops}")
         if self.cuda_graph_max_batch < 0:
             raise ValueError(
                 f"EngineConfig.cuda_graph_max_batch must be >= 0 (0 = off), got {self.cuda_graph_max_batch}"

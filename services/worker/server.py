@@ -188,6 +188,7 @@ def engine_config(cfg: WorkerConfig) -> EngineConfig:
         native_linear=cfg.native_linear,
         attention=cfg.attention,
         threads=cfg.threads or (len(cpu_list(cfg.cpus)) if cfg.cpus else 0),
+        serial_step_mflops=cfg.serial_step_mflops,
         cuda_graph_max_batch=cfg.cuda_graph_max_batch,
         draft_model=cfg.speculative_draft_model,
         mtp=cfg.speculative_mtp,

@@ -211,6 +211,26 @@ def test_decode_with_packed_weights_matches_transformers(ckpt: Ckpt, packed: str
     test_greedy_64_tokens_equals_generate(engine, ckpt, overlap=False)
 
 
+@pytest.mark.parametrize("serial_mflops", [0.0, 1e9])
+def test_forwards_on_one_thread_or_on_all_match_transformers(ckpt: Ckpt, serial_mflops: float) -> None:
+    """A CPU forward below ``serial_step_mflops`` runs on one thread (services/worker/step_threads.py;
+    the other tests run the default, where the tiny model's decodes take one thread and its long
+    prefills all): every forward on all threads (0), or every one on one thread (1e9), within the
+    bar of transformers, and greedy output equal to ``generate``."""
+    cfg = EngineConfig(device=TEST_DEVICE, kv_cache_bytes=2 << 20, max_rows=MAX_ROWS, max_context=512,
+                       serial_step_mflops=serial_mflops)  # fmt: skip
+    engine = Engine(ckpt.path, cfg)
+    threads = torch.get_num_threads()
+    test_decode_steps(engine, ckpt)
+    test_greedy_64_tokens_equals_generate(engine, ckpt, overlap=False)
+    switch = engine._threads
+    if TEST_DEVICE != "cpu" or not serial_mflops or threads < 2:
+        assert switch is None
+    else:
+        assert switch is not None and switch.serial_steps > 64 and torch.get_num_threads() == 1
+        torch.set_num_threads(threads)
+
+
 def test_penalised_sampling_uses_prompt_and_output_history(engine: Engine, ckpt: Ckpt) -> None:
     params = SamplingParams(
         temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2
