@@ -55,7 +55,7 @@ class RotaryEmbedding:
     reference does, so cos/sin match it bit for bit.
     """
 
-    __slots__ = ("_inv_freq", "head_dim", "rotary_dim", "theta")
+    __slots__ = ("_inv_freq", "_table", "head_dim", "rotary_dim", "theta")
 
     def __init__(self, head_dim: int, rotary_dim: int, theta: float) -> None:
         if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
@@ -64,9 +64,29 @@ class RotaryEmbedding:
         self.rotary_dim = rotary_dim
         self.theta = theta
         self._inv_freq: torch.Tensor | None = None
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # CPU: cos, sin of positions 0..n-1
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos, sin`` of shape ``[T, rotary_dim // 2]`` (fp32) for int64 ``positions [T]``."""
+        """``cos, sin`` of shape ``[T, rotary_dim // 2]`` (fp32) for int64 ``positions [T]``.
+
+        On the CPU, rows of a table of every position so far (the same products and the same
+        cos / sin, so the same bits): a gather instead of two transcendental passes, each of which
+        torch splits over the threads from 1,024 values on (a parallel region that, on a host whose
+        other cores are busy, waits for them). The table starts at 4,096 positions and doubles past
+        the largest one asked for. On CUDA, computed each time (a captured graph keeps no table)."""
+        if positions.device.type != "cpu":
+            return self._compute(positions)
+        table = self._table
+        if table is not None:
+            try:
+                return table[0].index_select(0, positions), table[1].index_select(0, positions)
+            except IndexError:  # a position past the table: grow it
+                pass
+        n = max(4096, 2 * (table[0].shape[0] if table else 0), int(positions.max()) + 1 if positions.numel() else 0)
+        self._table = self._compute(torch.arange(n))
+        return self._table[0].index_select(0, positions), self._table[1].index_select(0, positions)
+
+    def _compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         inv = self._inv_freq
         if inv is None or inv.device != positions.device:
             exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32) / self.rotary_dim
