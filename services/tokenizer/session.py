@@ -127,6 +127,11 @@ class SchedulerSession:
             code, details = grpc.StatusCode.UNAVAILABLE, f"scheduler {self.address} ended the session"
         except grpc.aio.AioRpcError as e:
             code, details = e.code(), e.details() or e.code().name
+            if code == grpc.StatusCode.INTERNAL:
+                # gRPC's core reports some connections cut mid-stream as INTERNAL ("Internal error
+                # from Core": a scheduler SIGKILLed while a message was in flight, seen in CI):
+                # the scheduler is as gone as with UNAVAILABLE, and its requests go on elsewhere.
+                code, details = grpc.StatusCode.UNAVAILABLE, f"session with scheduler {self.address} broke: {details}"
         except asyncio.CancelledError:
             code, details = grpc.StatusCode.CANCELLED, "the tokenizer is stopping"
             call.cancel()

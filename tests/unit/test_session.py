@@ -232,3 +232,55 @@ def test_an_admission_that_ends_after_its_call_is_aborted_and_forgotten() -> Non
         assert loop.forgotten == ["late"] and s.take() is None
 
     asyncio.run(run())
+
+
+class _BrokenCall:
+    """A ``Session`` call whose stream breaks with ``code`` after one message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self.error = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+    def __aiter__(self) -> _BrokenCall:
+        self.sent = False
+        return self
+
+    async def __anext__(self) -> spb.SessionEvents:
+        if not self.sent:
+            self.sent = True
+            return spb.SessionEvents(handles=[1], counts=[1], token_ids=[5])
+        raise self.error
+
+
+class _Stub:
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self.code, self.details = code, details
+
+    def Session(self, requests: object) -> _BrokenCall:
+        return _BrokenCall(self.code, self.details)
+
+
+@pytest.mark.parametrize(
+    ("code", "lost"),
+    [(grpc.StatusCode.UNAVAILABLE, True), (grpc.StatusCode.INTERNAL, True), (grpc.StatusCode.UNKNOWN, False)],
+)
+def test_a_session_cut_mid_stream_loses_its_requests_to_resume(code: grpc.StatusCode, lost: bool) -> None:
+    """Found in CI: a scheduler SIGKILLed under 16 streams broke its session with INTERNAL ("Internal
+    error from Core", gRPC's report of some connections cut mid-stream), and 6 streams failed
+    instead of resuming. INTERNAL counts as the scheduler gone (reported UNAVAILABLE), as
+    UNAVAILABLE does; other codes end the requests with their own status."""
+
+    async def run() -> None:
+        sess = SchedulerSession(_Stub(code, "Internal error from Core"), "sched:1")  # type: ignore[arg-type]
+        inbox = sess.submit(spb.GenerateRequest(), {}, None)
+        chunk = await inbox.next()
+        tokens = list(chunk.token_ids)
+        if chunk.end is None:
+            chunk = await inbox.next()
+            tokens += chunk.token_ids
+        assert tokens == [5]  # what came before the break is kept
+        assert chunk.end is not None and chunk.lost == lost and sess.broken
+        want = grpc.StatusCode.UNAVAILABLE if lost else code
+        assert chunk.end.status_code == want.value[0]
+        assert ("sched:1" in chunk.end.error) == (code == grpc.StatusCode.INTERNAL)
+
+    asyncio.run(run())
