@@ -213,22 +213,24 @@ def test_decode_with_packed_weights_matches_transformers(ckpt: Ckpt, packed: str
 
 @pytest.mark.parametrize("serial_mflops", [0.0, 1e9])
 def test_forwards_on_one_thread_or_on_all_match_transformers(ckpt: Ckpt, serial_mflops: float) -> None:
-    """A CPU forward below ``serial_step_mflops`` runs on one thread (services/worker/step_threads.py;
-    the other tests run the default, where the tiny model's decodes take one thread and its long
-    prefills all): every forward on all threads (0), or every one on one thread (1e9), within the
-    bar of transformers, and greedy output equal to ``generate``."""
+    """A CPU forward below ``serial_step_mflops`` runs on one thread (services/worker/step_threads.py).
+    On two threads (the suite itself runs on one, where the switch has nothing to do): every forward
+    on both (0), or every one on one (1e9), within the bar of transformers, and greedy output equal
+    to ``generate``."""
+    before = torch.get_num_threads()
     cfg = EngineConfig(device=TEST_DEVICE, kv_cache_bytes=2 << 20, max_rows=MAX_ROWS, max_context=512,
-                       serial_step_mflops=serial_mflops)  # fmt: skip
-    engine = Engine(ckpt.path, cfg)
-    threads = torch.get_num_threads()
-    test_decode_steps(engine, ckpt)
-    test_greedy_64_tokens_equals_generate(engine, ckpt, overlap=False)
-    switch = engine._threads
-    if TEST_DEVICE != "cpu" or not serial_mflops or threads < 2:
-        assert switch is None
-    else:
-        assert switch is not None and switch.serial_steps > 64 and torch.get_num_threads() == 1
-        torch.set_num_threads(threads)
+                       serial_step_mflops=serial_mflops, threads=2)  # fmt: skip
+    try:
+        engine = Engine(ckpt.path, cfg)
+        test_decode_steps(engine, ckpt)
+        test_greedy_64_tokens_equals_generate(engine, ckpt, overlap=False)
+        switch = engine._threads
+        if TEST_DEVICE != "cpu" or not serial_mflops:
+            assert switch is None and torch.get_num_threads() == 2
+        else:
+            assert switch is not None and switch.serial_steps > 64 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_penalised_sampling_uses_prompt_and_output_history(engine: Engine, ckpt: Ckpt) -> None:
