@@ -19,10 +19,10 @@ from torch import nn
 from kernels.linear import Linear
 from services.worker.batch import ForwardBatch, ForwardContext
 from services.worker.mamba_pool import MambaSpec
-from services.worker.models.layers import SwiGLU
+from services.worker.models.layers import RotaryEmbedding, SwiGLU
 from services.worker.models.linear_attn import GatedDeltaNet, StateSpans
 from services.worker.models.moe import SparseMoe
-from services.worker.models.qwen3_next_layers import GatedAttention, PartialRotary, ZeroCentredRMSNorm
+from services.worker.models.qwen3_next_layers import GatedAttention, ZeroCentredRMSNorm
 from services.worker.tp import SINGLE, Tp
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -148,7 +148,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rotary: PartialRotary,
+        rotary: RotaryEmbedding,
         spans: StateSpans | None,
         batch: ForwardBatch,
         ctx: ForwardContext,
@@ -201,7 +201,11 @@ class Qwen3NextForCausalLM(nn.Module):
         self.lm_head = Linear(a.hidden_size, a.vocab_size, bias=False)
         if a.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = PartialRotary(a.head_dim, a.partial_rotary_factor, a.rope_theta)
+        rotary_dim = int(a.head_dim * a.partial_rotary_factor)
+        if rotary_dim % 2 or not 0 < rotary_dim <= a.head_dim:
+            raise ValueError(f"partial_rotary_factor={a.partial_rotary_factor} gives rotary dim {rotary_dim} for "
+                             f"head_dim={a.head_dim}; it must be even and in (0, head_dim]")  # fmt: skip
+        self.rotary = RotaryEmbedding(a.head_dim, rotary_dim, a.rope_theta)
         self.vocab_size = a.vocab_size
         self.num_kv_layers = self.model.num_full_layers
         self.num_kv_heads = tp.kv_heads(a.num_key_value_heads, a.num_attention_heads)[1]

@@ -1,4 +1,4 @@
-"""Qwen3-Next's own layers: zero-centred RMSNorm, partial rotary, gated full attention.
+"""Qwen3-Next's own layers: zero-centred RMSNorm and gated full attention (partial rotary: ``RotaryEmbedding``).
 
 They differ from Qwen3's on purpose, and each difference changes the logits:
 
@@ -18,7 +18,7 @@ from torch import nn
 
 from kernels import fused_triton
 from services.worker.batch import ForwardBatch, ForwardContext
-from services.worker.models.layers import RMSNorm
+from services.worker.models.layers import RMSNorm, RotaryEmbedding
 from services.worker.tp import SINGLE, RowLinear, Tp, column_linear
 
 
@@ -29,50 +29,6 @@ class ZeroCentredRMSNorm(RMSNorm):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__(dim, eps, unit_offset=True)
         nn.init.zeros_(self.weight)
-
-
-class PartialRotary:
-    """Default RoPE on the first ``rotary_dim`` dims of each head (rotate-half layout).
-
-    Not a module and no buffer: the model is built on the meta device, so the frequencies are
-    computed on first use, on the device of the positions, and cached per device.
-    """
-
-    __slots__ = ("_inv_freq", "base", "rotary_dim")
-
-    def __init__(self, head_dim: int, partial_rotary_factor: float, base: float) -> None:
-        self.rotary_dim = int(head_dim * partial_rotary_factor)
-        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= head_dim:
-            raise ValueError(
-                f"partial_rotary_factor={partial_rotary_factor} gives rotary dim {self.rotary_dim} "
-                f"for head_dim={head_dim}; it must be even and in (0, head_dim]"
-            )
-        self.base = base
-        self._inv_freq: torch.Tensor | None = None
-
-    def _freqs(self, device: torch.device) -> torch.Tensor:
-        if self._inv_freq is None or self._inv_freq.device != device:
-            exps = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device=device) / self.rotary_dim
-            self._inv_freq = 1.0 / (self.base**exps)
-        return self._inv_freq
-
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos, sin [T, rotary_dim / 2]`` (fp32): the halves that ``__call__`` repeats."""
-        freqs = positions.float()[:, None] * self._freqs(positions.device)[None, :]
-        return freqs.cos(), freqs.sin()
-
-    def __call__(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
-        """Rotate each ``x [T, H, D]`` by its token's position; dims past ``rotary_dim`` pass through."""
-        freqs = positions.float()[:, None] * self._freqs(positions.device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        half = self.rotary_dim // 2
-        out = []
-        for x in xs:
-            cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-            rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-            rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-            out.append(torch.cat((rot * cos + rotated * sin, rest), dim=-1))
-        return out
 
 
 class GatedAttention(nn.Module):
@@ -112,19 +68,21 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCentredRMSNorm(head_dim, eps)
         self.k_norm = ZeroCentredRMSNorm(head_dim, eps)
 
-    def forward(self, x: torch.Tensor, rotary: PartialRotary, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch, ctx: ForwardContext
+    ) -> torch.Tensor:
         t = x.shape[0]
         # q_proj is laid out per head as [query (D) | gate (D)].
         q, gate = torch.chunk(self.q_proj(x).view(t, self.hq, 2 * self.d), 2, dim=-1)
         k = self.k_proj(x).view(t, self.hkv, self.d)
         v = self.v_proj(x).view(t, self.hkv, self.d)
+        cos, sin = rotary.cos_sin(batch.positions)
         if fused_triton.usable(q, k, self.q_norm.weight, self.k_norm.weight):
             # CUDA: each norm + rotary one kernel, in place (q a view of the projection's query half).
-            cos, sin = rotary.cos_sin(batch.positions)
             for h, norm in ((q, self.q_norm), (k, self.k_norm)):
                 fused_triton.rms_norm_rope_(h, norm.weight, norm.eps, cos, sin, rotary.rotary_dim, unit_offset=True)
         else:
-            q, k = rotary(batch.positions, self.q_norm(q), self.k_norm(k))
+            q, k = rotary.apply(self.q_norm(q), cos, sin), rotary.apply(self.k_norm(k), cos, sin)
         o = ctx.attn.forward(q, k, v, self.kv_layer, batch, self.d**-0.5)
         o = o.to(x.dtype).reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
         return self.tp.all_reduce(self.o_proj(o))
