@@ -201,11 +201,10 @@ class Qwen3NextForCausalLM(nn.Module):
         self.lm_head = Linear(a.hidden_size, a.vocab_size, bias=False)
         if a.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        rotary_dim = int(a.head_dim * a.partial_rotary_factor)
-        if rotary_dim % 2 or not 0 < rotary_dim <= a.head_dim:
-            raise ValueError(f"partial_rotary_factor={a.partial_rotary_factor} gives rotary dim {rotary_dim} for "
-                             f"head_dim={a.head_dim}; it must be even and in (0, head_dim]")  # fmt: skip
-        self.rotary = RotaryEmbedding(a.head_dim, rotary_dim, a.rope_theta)
+        try:  # RotaryEmbedding checks the dim; the message names the config field that set it
+            self.rotary = RotaryEmbedding(a.head_dim, int(a.head_dim * a.partial_rotary_factor), a.rope_theta)
+        except ValueError as e:
+            raise ValueError(f"partial_rotary_factor={a.partial_rotary_factor}: {e}") from e
         self.vocab_size = a.vocab_size
         self.num_kv_layers = self.model.num_full_layers
         self.num_kv_heads = tp.kv_heads(a.num_key_value_heads, a.num_attention_heads)[1]
