@@ -24,8 +24,9 @@
  * on a GPU, so a single long request keeps every thread busy), or, for a segment of several tokens, a
  * block of up to QB_ROWS query rows over a span of CHUNK-slot chunks merged online (the span as short
  * as keeps about ITEMS_WANTED such items; a causal block stops at its last token's slot). A one-token
- * item reads each slot's K (then V) row — every KV head, Hkv * D contiguous floats — once, front to
- * back, for all Hq query heads (query head h reads KV head h / (Hq / Hkv)). An item of several tokens
+ * item reads each slot's K row — every KV head, Hkv * D contiguous floats — once, front to back, for all
+ * Hq query heads (query head h reads KV head h / (Hq / Hkv)), prefetching its V row; then the V rows
+ * (from cache) once per KV head, that head's query heads' sums in registers. An item of several tokens
  * works per KV head on the rows (token, query head of that KV head), 16 rows to a vector: the scores
  * are outer products of each key with the transposed queries, and each value row is multiplied into 8
  * rows' accumulators at once. An item leaves, per row, its scores' maximum, their exponentials' sum
@@ -100,24 +101,100 @@ static inline void prefetch_row(const float *base, int64_t slot, int64_t row) {
     prefetch_floats(base + slot * row, row);
 }
 
+/* Lane i of the result: the sum of the 16 lanes of x[i] (x: 16 vectors of 16 floats, contiguous). Four
+ * levels, each summing the halves of every vector's blocks into blocks half as wide and packing two
+ * vectors into one: 15 adds and 30 shuffles for 16 sums, instead of a horizontal sum (a chain of
+ * shuffles and adds) per vector. */
+static inline v16 sum_lanes16(const float *x) {
+    v16 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) {
+        const v16 x0 = ld16(x + 32 * i), x1 = ld16(x + 32 * i + 16);
+        a[i] = __builtin_shufflevector(x0, x1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(x0, x1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    }
+    for (int i = 0; i < 4; i++)
+        b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* acc[g * astride + 0 .. 64) = sum_i p[g * pstride + i] * v_i[off .. off + 64) for g < G: G heads' 64 output
+ * columns kept in registers over all n slots, each value row's 64 floats loaded once for the G heads
+ * (G a constant after inlining: 1, 2 or 4). */
+static inline __attribute__((always_inline)) void pv_tile(const float *v, const int64_t *sl, int64_t n, int64_t row,
+                                                          int64_t off, const float *p, int64_t pstride, float *acc,
+                                                          int64_t astride, const int G) {
+    v16 a[4][4];
+#pragma GCC unroll 4
+    for (int g = 0; g < G; g++)
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) a[g][c] = (v16){0};
+    for (int64_t i = 0; i < n; i++) {
+        const float *vr = v + sl[i] * row + off;
+        const v16 v0 = ld16(vr), v1 = ld16(vr + 16), v2 = ld16(vr + 32), v3 = ld16(vr + 48);
+#pragma GCC unroll 4
+        for (int g = 0; g < G; g++) {
+            const float pg = p[g * pstride + i];
+            a[g][0] += pg * v0;
+            a[g][1] += pg * v1;
+            a[g][2] += pg * v2;
+            a[g][3] += pg * v3;
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < G; g++)
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) st16(acc + g * astride + 16 * c, a[g][c]);
+}
+
 /* One chunk of n <= TOKEN_CHUNK slots for query qb [Hq, D]: per head, the scores' maximum (m), the sum of
- * their exponentials against it (l) and sum_i exp(s_i - m) * v_i (acc [Hq, D]). */
+ * their exponentials against it (l) and sum_i exp(s_i - m) * v_i (acc [Hq, D]). part: scratch of Hq * 256
+ * floats. With D a multiple of 16 from 32 on, each (slot, head) product is left as 16 partial sums and sixteen slots'
+ * are summed at once (sum_lanes16); with D a multiple of 64, the values are summed per KV head with the
+ * accumulators in registers (pv_tile). */
 static void attend_chunk(const float *qb, const float *k, const float *v, const int64_t *sl, int64_t n,
                          int64_t hq, int64_t group, int64_t d, int64_t row, float scale, float *scores,
-                         float *m, float *l, float *acc) {
+                         float *m, float *l, float *acc, float *part) {
     for (int64_t i = 0; i < n && i < PREFETCH_AHEAD; i++) prefetch_row(k, sl[i], row);
-    for (int64_t i = 0; i < n; i++) {
-        /* keys a few slots ahead, and this slot's values for the second loop: misses overlap */
-        if (i + PREFETCH_AHEAD < n) prefetch_row(k, sl[i + PREFETCH_AHEAD], row);
-        prefetch_row(v, sl[i], row);
-        const float *kr = k + sl[i] * row;
-        for (int64_t h = 0; h < hq; h++) {
-            const float *qh = qb + h * d;
-            const float *kh = kr + (h / group) * d;
-            float s = 0.f;
+    if (d % 16 == 0 && d >= 32) { /* (at 16, one product per pair: no faster than its horizontal sum) */
+        for (int64_t i0 = 0; i0 < n; i0 += 16) {
+            for (int64_t s = 0; s < 16; s++) {
+                const int64_t i = i0 + s;
+                if (i >= n) {
+                    for (int64_t h = 0; h < hq; h++) memset(part + (h * 16 + s) * 16, 0, sizeof(float) * 16);
+                    continue;
+                }
+                if (i + PREFETCH_AHEAD < n) prefetch_row(k, sl[i + PREFETCH_AHEAD], row);
+                prefetch_row(v, sl[i], row);
+                const float *kr = k + sl[i] * row;
+                for (int64_t h = 0; h < hq; h++) {
+                    const float *qh = qb + h * d, *kh = kr + (h / group) * d;
+                    v16 a = ld16(qh) * ld16(kh);
+                    for (int64_t j = 16; j < d; j += 16) a += ld16(qh + j) * ld16(kh + j);
+                    st16(part + (h * 16 + s) * 16, a);
+                }
+            }
+            /* i0 + 16 <= TOKEN_CHUNK: lanes past n are written and never read */
+            for (int64_t h = 0; h < hq; h++) st16(scores + h * TOKEN_CHUNK + i0, sum_lanes16(part + h * 256) * scale);
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) {
+            /* keys a few slots ahead, and this slot's values for the second loop: misses overlap */
+            if (i + PREFETCH_AHEAD < n) prefetch_row(k, sl[i + PREFETCH_AHEAD], row);
+            prefetch_row(v, sl[i], row);
+            const float *kr = k + sl[i] * row;
+            for (int64_t h = 0; h < hq; h++) {
+                const float *qh = qb + h * d;
+                const float *kh = kr + (h / group) * d;
+                float s = 0.f;
 #pragma omp simd reduction(+ : s)
-            for (int64_t j = 0; j < d; j++) s += qh[j] * kh[j];
-            scores[h * TOKEN_CHUNK + i] = s * scale;
+                for (int64_t j = 0; j < d; j++) s += qh[j] * kh[j];
+                scores[h * TOKEN_CHUNK + i] = s * scale;
+            }
         }
     }
     for (int64_t h = 0; h < hq; h++) {
@@ -139,6 +216,23 @@ static void attend_chunk(const float *qb, const float *k, const float *v, const 
         }
         m[h] = mh;
         l[h] = total;
+    }
+    if (d % 64 == 0) {
+        const int tile = group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
+        for (int64_t kh = 0; kh < hq / group; kh++)
+            for (int64_t g = 0; g < group; g += tile)
+                for (int64_t c = 0; c < d; c += 64) {
+                    const int64_t h = kh * group + g;
+                    const float *p = scores + h * TOKEN_CHUNK;
+                    float *ah = acc + h * d + c;
+                    if (tile == 4)
+                        pv_tile(v, sl, n, row, kh * d + c, p, TOKEN_CHUNK, ah, d, 4);
+                    else if (tile == 2)
+                        pv_tile(v, sl, n, row, kh * d + c, p, TOKEN_CHUNK, ah, d, 2);
+                    else
+                        pv_tile(v, sl, n, row, kh * d + c, p, TOKEN_CHUNK, ah, d, 1);
+                }
+        return;
     }
     memset(acc, 0, sizeof(float) * hq * d);
     for (int64_t i = 0; i < n; i++) {
@@ -377,7 +471,8 @@ int strata_paged_attend_f32(const float *q, const float *k, const float *v, cons
         /* token path: scores [Hq, TOKEN_CHUNK], one token's partial; several-row path: scores [CHUNK, r16],
          * queries [D, r16], a chunk's (mx, sum, acc) and the running ones, the rows' limits */
         const int64_t r_floats = CHUNK * r16max + d * r16max + 2 * r16max * (d + 2);
-        float *scores = malloc(sizeof(float) * (hq * TOKEN_CHUNK + per_token + r_floats));
+        float *scores = malloc(sizeof(float) * (hq * TOKEN_CHUNK + per_token + r_floats + hq * 256));
+        float *part = scores + hq * TOKEN_CHUNK + per_token + r_floats; /* attend_chunk's partial products */
         int64_t *lim = malloc(sizeof(int64_t) * r16max);
         if (scores == NULL || lim == NULL) failed = 1;
 #pragma omp for schedule(dynamic, 1)
@@ -396,7 +491,7 @@ int strata_paged_attend_f32(const float *q, const float *k, const float *v, cons
                     if (n > 0) {
                         attend_chunk(q + seg_tokens[w.q0 + m] * hq * d, k, v, slots + w.lo,
                                      n < w.hi - w.lo ? n : w.hi - w.lo, hq, group, d, row, scale, scores, tmp,
-                                     tmp + hq, tmp + 2 * hq);
+                                     tmp + hq, tmp + 2 * hq, part);
                     } else { /* reads none of this chunk: an empty partial */
                         for (int64_t h = 0; h < hq; h++) tmp[h] = MASKED;
                         memset(tmp + hq, 0, sizeof(float) * hq * (d + 1));

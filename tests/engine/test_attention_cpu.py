@@ -172,24 +172,29 @@ def test_native_decode_rejects_what_it_cannot_read() -> None:
         _decodes(torch.zeros(1, 2, 4), k, k, torch.tensor([1, 2]), starts.int(), ends, 1.0)
 
 
-def test_native_decode_splits_long_ranges_exactly() -> None:
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d"), [(8, 4, 16), (8, 4, 32), (8, 4, 64), (16, 8, 128), (32, 8, 128), (14, 2, 64), (4, 4, 24)]
+)
+def test_native_decode_splits_long_ranges_exactly(hq: int, hkv: int, d: int) -> None:
     """A request's range is cut into chunks (256 slots in kernels/csrc/paged_decode.c) that threads
     share and that are merged by log-sum-exp: lengths around the chunk edges equal an fp64 softmax,
     and a request's result is the same bit for bit alone and in any batch (chunking depends on its
-    length only)."""
+    length only). The head shapes take each path of a one-token chunk: products summed sixteen slots
+    at once (head sizes from 32 that are multiples of 16), values summed per KV head in registers
+    (multiples of 64; tiles of 4, 2 or 1 query heads), and the plain loops otherwise."""
     if native.load() is None:
         pytest.skip("no C compiler here")
     g = torch.Generator().manual_seed(7)
-    k_cache, v_cache = torch.randn(4000, HKV, D, generator=g), torch.randn(4000, HKV, D, generator=g)
-    lengths = [1, 127, 128, 129, 255, 256, 257, 300, 1000]
+    k_cache, v_cache = torch.randn(4000, hkv, d, generator=g), torch.randn(4000, hkv, d, generator=g)
+    lengths = [1, 15, 16, 17, 127, 128, 129, 255, 256, 257, 300, 1000]
     slots = torch.randperm(4000, generator=g)[: sum(lengths)]
     ends = torch.tensor(lengths).cumsum(0)
     starts = ends - torch.tensor(lengths)
-    q = torch.randn(len(lengths), HQ, D, generator=g)
+    q = torch.randn(len(lengths), hq, d, generator=g)
     out, lse = _decodes(q, k_cache, v_cache, slots, starts, ends, 0.3)
     for b, (s, e) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
-        keys = k_cache[slots[s:e]].double().repeat_interleave(HQ // HKV, dim=1)  # [n, Hq, D]
-        vals = v_cache[slots[s:e]].double().repeat_interleave(HQ // HKV, dim=1)
+        keys = k_cache[slots[s:e]].double().repeat_interleave(hq // hkv, dim=1)  # [n, Hq, D]
+        vals = v_cache[slots[s:e]].double().repeat_interleave(hq // hkv, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[b].double(), keys) * 0.3
         want = torch.einsum("hn,nhd->hd", scores.softmax(-1), vals)
         assert float((out[b] - want).abs().max()) < 1e-5, f"length {lengths[b]}"
