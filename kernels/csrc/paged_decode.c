@@ -122,39 +122,54 @@ static inline v16 sum_lanes16(const float *x) {
            __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-/* acc[g * astride + 0 .. 64) = sum_i p[g * pstride + i] * v_i[off .. off + 64) for g < G: G heads' 64 output
- * columns kept in registers over all n slots, each value row's 64 floats loaded once for the G heads
- * (G a constant after inlining: 1, 2 or 4). */
+/* acc[g * astride + 0 .. 16 C) = sum_i p[g * pstride + i] * v_i[off .. off + 16 C) for g < G: G heads' 16 C
+ * output columns kept in registers over all n slots, each value row's 16 C floats loaded once for the G
+ * heads (G and C constants after inlining: G 1, 2 or 4; C 2 or 4). */
 static inline __attribute__((always_inline)) void pv_tile(const float *v, const int64_t *sl, int64_t n, int64_t row,
                                                           int64_t off, const float *p, int64_t pstride, float *acc,
-                                                          int64_t astride, const int G) {
+                                                          int64_t astride, const int G, const int C) {
     v16 a[4][4];
 #pragma GCC unroll 4
     for (int g = 0; g < G; g++)
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; c++) a[g][c] = (v16){0};
+        for (int c = 0; c < C; c++) a[g][c] = (v16){0};
     for (int64_t i = 0; i < n; i++) {
         const float *vr = v + sl[i] * row + off;
-        const v16 v0 = ld16(vr), v1 = ld16(vr + 16), v2 = ld16(vr + 32), v3 = ld16(vr + 48);
+        v16 vv[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < C; c++) vv[c] = ld16(vr + 16 * c);
 #pragma GCC unroll 4
         for (int g = 0; g < G; g++) {
             const float pg = p[g * pstride + i];
-            a[g][0] += pg * v0;
-            a[g][1] += pg * v1;
-            a[g][2] += pg * v2;
-            a[g][3] += pg * v3;
+#pragma GCC unroll 4
+            for (int c = 0; c < C; c++) a[g][c] += pg * vv[c];
         }
     }
 #pragma GCC unroll 4
     for (int g = 0; g < G; g++)
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; c++) st16(acc + g * astride + 16 * c, a[g][c]);
+        for (int c = 0; c < C; c++) st16(acc + g * astride + 16 * c, a[g][c]);
+}
+
+/* pv_tile for a tile of G heads with C 16-column chunks chosen at run time (the compiler needs them
+ * constant to keep the accumulators in registers). */
+static void pv_tiles(const float *v, const int64_t *sl, int64_t n, int64_t row, int64_t off, const float *p,
+                     int64_t pstride, float *acc, int64_t astride, int G, int C) {
+    if (C == 4) {
+        if (G == 4) pv_tile(v, sl, n, row, off, p, pstride, acc, astride, 4, 4);
+        else if (G == 2) pv_tile(v, sl, n, row, off, p, pstride, acc, astride, 2, 4);
+        else pv_tile(v, sl, n, row, off, p, pstride, acc, astride, 1, 4);
+    } else {
+        if (G == 4) pv_tile(v, sl, n, row, off, p, pstride, acc, astride, 4, 2);
+        else if (G == 2) pv_tile(v, sl, n, row, off, p, pstride, acc, astride, 2, 2);
+        else pv_tile(v, sl, n, row, off, p, pstride, acc, astride, 1, 2);
+    }
 }
 
 /* One chunk of n <= TOKEN_CHUNK slots for query qb [Hq, D]: per head, the scores' maximum (m), the sum of
  * their exponentials against it (l) and sum_i exp(s_i - m) * v_i (acc [Hq, D]). part: scratch of Hq * 256
  * floats. With D a multiple of 16 from 32 on, each (slot, head) product is left as 16 partial sums and sixteen slots'
- * are summed at once (sum_lanes16); with D a multiple of 64, the values are summed per KV head with the
+ * are summed at once (sum_lanes16); with D a multiple of 32, the values are summed per KV head with the
  * accumulators in registers (pv_tile). */
 static void attend_chunk(const float *qb, const float *k, const float *v, const int64_t *sl, int64_t n,
                          int64_t hq, int64_t group, int64_t d, int64_t row, float scale, float *scores,
@@ -217,20 +232,14 @@ static void attend_chunk(const float *qb, const float *k, const float *v, const 
         m[h] = mh;
         l[h] = total;
     }
-    if (d % 64 == 0) {
-        const int tile = group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
+    if (d % 32 == 0) {
+        const int tile = group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1, chunks = d % 64 == 0 ? 4 : 2;
         for (int64_t kh = 0; kh < hq / group; kh++)
             for (int64_t g = 0; g < group; g += tile)
-                for (int64_t c = 0; c < d; c += 64) {
+                for (int64_t c = 0; c < d; c += 16 * chunks) {
                     const int64_t h = kh * group + g;
-                    const float *p = scores + h * TOKEN_CHUNK;
-                    float *ah = acc + h * d + c;
-                    if (tile == 4)
-                        pv_tile(v, sl, n, row, kh * d + c, p, TOKEN_CHUNK, ah, d, 4);
-                    else if (tile == 2)
-                        pv_tile(v, sl, n, row, kh * d + c, p, TOKEN_CHUNK, ah, d, 2);
-                    else
-                        pv_tile(v, sl, n, row, kh * d + c, p, TOKEN_CHUNK, ah, d, 1);
+                    pv_tiles(v, sl, n, row, kh * d + c, scores + h * TOKEN_CHUNK, TOKEN_CHUNK, acc + h * d + c, d, tile,
+                             chunks);
                 }
         return;
     }

@@ -173,7 +173,8 @@ def test_native_decode_rejects_what_it_cannot_read() -> None:
 
 
 @pytest.mark.parametrize(
-    ("hq", "hkv", "d"), [(8, 4, 16), (8, 4, 32), (8, 4, 64), (16, 8, 128), (32, 8, 128), (14, 2, 64), (4, 4, 24)]
+    ("hq", "hkv", "d"),
+    [(8, 4, 16), (8, 4, 32), (4, 2, 96), (8, 4, 64), (16, 8, 128), (32, 8, 128), (14, 2, 64), (4, 4, 24)],
 )
 def test_native_decode_splits_long_ranges_exactly(hq: int, hkv: int, d: int) -> None:
     """A request's range is cut into chunks (256 slots in kernels/csrc/paged_decode.c) that threads
@@ -181,7 +182,8 @@ def test_native_decode_splits_long_ranges_exactly(hq: int, hkv: int, d: int) -> 
     and a request's result is the same bit for bit alone and in any batch (chunking depends on its
     length only). The head shapes take each path of a one-token chunk: products summed sixteen slots
     at once (head sizes from 32 that are multiples of 16), values summed per KV head in registers
-    (multiples of 64; tiles of 4, 2 or 1 query heads), and the plain loops otherwise."""
+    (multiples of 32, in 64 or 32 columns at a time; tiles of 4, 2 or 1 query heads), and the plain
+    loops otherwise."""
     if native.load() is None:
         pytest.skip("no C compiler here")
     g = torch.Generator().manual_seed(7)
