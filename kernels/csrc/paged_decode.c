@@ -112,12 +112,16 @@ static inline v16 sum_lanes16(const float *x) {
         a[i] = __builtin_shufflevector(x0, x1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
                __builtin_shufflevector(x0, x1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
     }
-    for (int i = 0; i < 4; i++)
-        b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    for (int i = 0; i < 2; i++)
-        c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-               __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    for (int i = 0; i < 4; i++) {
+        const v16 a0 = a[2 * i], a1 = a[2 * i + 1];
+        b[i] = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(a0, a1, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    }
+    for (int i = 0; i < 2; i++) {
+        const v16 b0 = b[2 * i], b1 = b[2 * i + 1];
+        c[i] = __builtin_shufflevector(b0, b1, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(b0, b1, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    }
     return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
            __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
@@ -168,9 +172,9 @@ static void pv_tiles(const float *v, const int64_t *sl, int64_t n, int64_t row, 
 
 /* One chunk of n <= TOKEN_CHUNK slots for query qb [Hq, D]: per head, the scores' maximum (m), the sum of
  * their exponentials against it (l) and sum_i exp(s_i - m) * v_i (acc [Hq, D]). part: scratch of Hq * 256
- * floats. With D a multiple of 16 from 32 on, each (slot, head) product is left as 16 partial sums and sixteen slots'
- * are summed at once (sum_lanes16); with D a multiple of 32, the values are summed per KV head with the
- * accumulators in registers (pv_tile). */
+ * floats. With D a multiple of 16 from 32 on, each (slot, head) product is left as 16 partial sums and
+ * sixteen slots' are summed at once (sum_lanes16); with D a multiple of 32, the values are summed per KV
+ * head with the accumulators in registers (pv_tile). */
 static void attend_chunk(const float *qb, const float *k, const float *v, const int64_t *sl, int64_t n,
                          int64_t hq, int64_t group, int64_t d, int64_t row, float scale, float *scores,
                          float *m, float *l, float *acc, float *part) {
