@@ -101,6 +101,15 @@ static inline void prefetch_row(const float *base, int64_t slot, int64_t row) {
     prefetch_floats(base + slot * row, row);
 }
 
+/* Slot i's K row (of n slots sl[0..n)), after prefetching the K row a few slots ahead and this slot's V
+ * row, which the value pass reads next: misses overlap. */
+static inline const float *key_row(const float *k, const float *v, const int64_t *sl, int64_t i, int64_t n,
+                                   int64_t row) {
+    if (i + PREFETCH_AHEAD < n) prefetch_row(k, sl[i + PREFETCH_AHEAD], row);
+    prefetch_row(v, sl[i], row);
+    return k + sl[i] * row;
+}
+
 /* Lane i of the result: the sum of the 16 lanes of x[i] (x: 16 vectors of 16 floats, contiguous). Four
  * levels, each summing the halves of every vector's blocks into blocks half as wide and packing two
  * vectors into one: 15 adds and 30 shuffles for 16 sums, instead of a horizontal sum (a chain of
@@ -181,15 +190,8 @@ static void attend_chunk(const float *qb, const float *k, const float *v, const 
     for (int64_t i = 0; i < n && i < PREFETCH_AHEAD; i++) prefetch_row(k, sl[i], row);
     if (d % 16 == 0 && d >= 32) { /* (at 16, one product per pair: no faster than its horizontal sum) */
         for (int64_t i0 = 0; i0 < n; i0 += 16) {
-            for (int64_t s = 0; s < 16; s++) {
-                const int64_t i = i0 + s;
-                if (i >= n) {
-                    for (int64_t h = 0; h < hq; h++) memset(part + (h * 16 + s) * 16, 0, sizeof(float) * 16);
-                    continue;
-                }
-                if (i + PREFETCH_AHEAD < n) prefetch_row(k, sl[i + PREFETCH_AHEAD], row);
-                prefetch_row(v, sl[i], row);
-                const float *kr = k + sl[i] * row;
+            for (int64_t s = 0; s < 16 && i0 + s < n; s++) {
+                const float *kr = key_row(k, v, sl, i0 + s, n, row);
                 for (int64_t h = 0; h < hq; h++) {
                     const float *qh = qb + h * d, *kh = kr + (h / group) * d;
                     v16 a = ld16(qh) * ld16(kh);
@@ -197,15 +199,13 @@ static void attend_chunk(const float *qb, const float *k, const float *v, const 
                     st16(part + (h * 16 + s) * 16, a);
                 }
             }
-            /* i0 + 16 <= TOKEN_CHUNK: lanes past n are written and never read */
+            /* Lane s sums slot s's partials only, so past n it sums stale scratch into lanes that are
+             * stored (i0 + 16 <= TOKEN_CHUNK) and never read. */
             for (int64_t h = 0; h < hq; h++) st16(scores + h * TOKEN_CHUNK + i0, sum_lanes16(part + h * 256) * scale);
         }
     } else {
         for (int64_t i = 0; i < n; i++) {
-            /* keys a few slots ahead, and this slot's values for the second loop: misses overlap */
-            if (i + PREFETCH_AHEAD < n) prefetch_row(k, sl[i + PREFETCH_AHEAD], row);
-            prefetch_row(v, sl[i], row);
-            const float *kr = k + sl[i] * row;
+            const float *kr = key_row(k, v, sl, i, n, row);
             for (int64_t h = 0; h < hq; h++) {
                 const float *qh = qb + h * d;
                 const float *kh = kr + (h / group) * d;
