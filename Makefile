@@ -207,6 +207,7 @@ bench-spec: install $(BENCH_MODEL)/config.json
 bench-overhead: install $(NULL_MODEL)/config.json
 	@test -x $(BIN)/py-spy || $(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[bench]' --config-settings editable_mode=compat
 	$(BIN)/python benchmarks/overhead.py --model $(NULL_MODEL) --repeats 3 --out docs/bench/overhead.json --profile .runs/overhead-profile
+	$(BIN)/python benchmarks/front_floor.py --repeats 3
 
 $(NULL_MODEL)/config.json: | install
 	$(BIN)/strata model tiny --arch qwen3 --size null --out $(NULL_MODEL)

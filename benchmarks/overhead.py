@@ -74,6 +74,7 @@ class Config:
     run_dir: Path | None = None
     fronts: int = 1
     clients: int = 1
+    only: tuple[str, ...] = ("grpc", "http")  # the fronts measured, in this order
 
 
 @dataclass(slots=True)
@@ -235,9 +236,21 @@ async def profiled(cfg: Config, front: str, load: Load, meter: CpuMeter, sched: 
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     procs = {
         name: subprocess.Popen(
-            [spy, "record", "--format", "raw", "--rate", "200", "--nonblocking", "-p", str(pid),
-             "-o", str(cfg.profile / f"{front}-{name}.txt")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                spy,
+                "record",
+                "--format",
+                "raw",
+                "--rate",
+                "200",
+                "--nonblocking",
+                "-p",
+                str(pid),
+                "-o",
+                str(cfg.profile / f"{front}-{name}.txt"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         for name, pid in pids.items()
     }
@@ -261,7 +274,7 @@ async def bench(cfg: Config, grpc_addr: str, http: str, sched_addr: str, pids: d
     channel = grpc.aio.insecure_channel(sched_addr)
     sched = sgrpc.SchedulerStub(channel)
     vocab = json.loads((cfg.model / "config.json").read_text())["vocab_size"]
-    load = Load(cfg, {"grpc": grpc_addr, "http": http})
+    load = Load(cfg, {f: {"grpc": grpc_addr, "http": http}[f] for f in cfg.only})
     try:
         await load.warm_up(vocab)
         meter = CpuMeter({**pids, **load.pids()})
@@ -298,11 +311,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-arg", action="append", default=[], help="an extra worker flag (repeatable)")
     p.add_argument("--front-processes", type=int, default=1, help="the tokenizer's --front-processes")
     p.add_argument("--client-processes", type=int, default=1, help="client processes sharing the streams")
+    p.add_argument("--fronts", default="grpc,http", help="the fronts measured, comma-separated: grpc, http")
     a = p.parse_args(argv)
     if a.front_processes < 1 or a.client_processes < 1:
         p.error("--front-processes and --client-processes must be >= 1")
+    only = tuple(dict.fromkeys(f.strip() for f in a.fronts.split(",") if f.strip()))
+    if not only or any(f not in ("grpc", "http") for f in only):
+        p.error(f"--fronts: {a.fronts!r} names none or other than grpc, http")
     cfg = Config(a.model, a.streams, a.tokens, a.prompt_len, a.repeats, a.out, a.profile, a.run_dir,
-                 a.front_processes, a.client_processes)  # fmt: skip
+                 a.front_processes, a.client_processes, only)  # fmt: skip
 
     from services.common.etcd_proc import free_port
     from services.supervisor import start_stack
