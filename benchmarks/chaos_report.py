@@ -10,8 +10,10 @@ Counting, for the issue's goal (0 lost except on a killed tokenizer, 0 wrong, RS
   by their text.
 - *failed*: an error, or a stream that ended without ``length``. A failure whose request was
   in flight when the tokenizer was SIGKILLed is *tokenizer_connection*: the client's own
-  connection died with that process, which nothing behind it can save; every other failure is
-  *lost*. A failed stream whose tokens so far were not a prefix of the reference counts as wrong too.
+  connection died with that process, which nothing behind it can save. So is one sent on that
+  connection in the instant after the kill, before the client saw it close: it failed with the
+  connection's reset within ``DEAD_CONNECTION_S`` of the kill. Every other failure is *lost*.
+  A failed stream whose tokens so far were not a prefix of the reference counts as wrong too.
 - *resume*: for every fault and every stream in flight across its start (sent before it, a token
   after it), the stall (last token before the fault to the first after) and, for a stream really
   interrupted (stall >= ``INTERRUPTED_S``), the resume latency: from the signal (SIGKILL or
@@ -33,6 +35,9 @@ from benchmarks.chaos_stats import after_warmup, gap_across, is_prefix, percenti
 
 INTERRUPTED_S = 1.0  # a stall at least this long across a fault is an interruption (tokens come every ~0.1 s)
 SLOPE_BAR_MIB_PER_HOUR = 10.0  # the issue's bar, for every service
+# A request written into a killed tokenizer's socket fails with the connection's reset this soon.
+DEAD_CONNECTION_S = 1.0
+_CONNECTION_ERRORS = ("Connection reset", "Socket closed", "Connection error")
 
 
 @dataclass(slots=True)
@@ -156,6 +161,14 @@ def _kind(target: str) -> str:
     return target.split("-")[0]
 
 
+def _on_killed_connection(o: Outcome, kill: float, why: str) -> bool:
+    """Whether a failed request's own connection was the tokenizer killed at ``kill``: in flight
+    at the kill, or sent just after it and failed with that connection's reset."""
+    if o.sent <= kill <= o.ended:
+        return True
+    return kill < o.sent and o.ended - kill <= DEAD_CONNECTION_S and any(e in why for e in _CONNECTION_ERRORS)
+
+
 def summarize(
     outcomes: Sequence[Outcome], prompts: dict[str, Prompt], faults: Sequence[FaultRecord],
     samples: Sequence[RssSample], t0: float, warmup_s: float, unfinished: int = 0,
@@ -186,7 +199,7 @@ def summarize(
             continue
         s.failed += 1
         why = o.error or f"stream ended with {o.finish or 'no finish reason'}"
-        on_tokenizer = any(o.sent <= k <= o.ended for k in tokenizer_kills)
+        on_tokenizer = any(_on_killed_connection(o, k, why) for k in tokenizer_kills)
         if on_tokenizer:
             s.tokenizer_connection += 1
             tok_reasons[reason(why)] += 1

@@ -96,6 +96,9 @@ def _outcome(n: int, front: str, sent: float, ended: float, ids: list[int] = WAN
     return o
 
 
+RESET = "UNAVAILABLE Stream removed (recvmsg:Connection reset by peer (104))"
+
+
 def test_summarize_counts_every_outcome_once() -> None:
     prompt = Prompt("p", "text", "", "q", want_ids=WANT, want_text="".join(map(chr, WANT)))
     t0 = 100.0
@@ -108,6 +111,11 @@ def test_summarize_counts_every_outcome_once() -> None:
         _outcome(3, "grpc-ids", 109.0, 110.5, ids=[5, 6], finish="", error="UNAVAILABLE Socket closed"),
         _outcome(4, "grpc-ids", 112.0, 113.0, ids=[5], finish="", error="UNAVAILABLE worker lost"),  # lost
         _outcome(5, "grpc-ids", 112.0, 113.0, ids=[6], finish="", error="DEADLINE_EXCEEDED"),  # lost, wrong
+        # sent into the killed tokenizer's socket 12 ms after the kill, reset 16 ms later
+        _outcome(8, "grpc-ids", 110.012, 110.028, ids=[], finish="", error=RESET),
+        # sent as soon after the kill, but failed otherwise, or long after it: lost
+        _outcome(9, "grpc-ids", 110.012, 110.5, ids=[], finish="", error="UNAVAILABLE no worker"),
+        _outcome(10, "grpc-ids", 111.5, 111.6, ids=[], finish="", error="UNAVAILABLE Socket closed"),
     ]
     tail = _outcome(7, "grpc-text", 101.0, 102.0)  # right ids, but the text lost its last token's
     tail.text = tail.text[:-1]
@@ -118,10 +126,11 @@ def test_summarize_counts_every_outcome_once() -> None:
     samples = [RssSample(float(t), "worker", 7 if t < 60 else 8, float(t if t < 60 else t - 60), 300 + t / 50)
                for t in range(0, 120, 2)]  # fmt: skip
     s = summarize(outcomes, {"p": prompt}, [kill, stop], samples, t0, warmup_s=10.0)
-    assert (s.sent, s.completed, s.ok, s.duplicated, s.skipped) == (8, 5, 3, 1, 1)
-    assert (s.failed, s.tokenizer_connection, s.lost, s.wrong) == (3, 1, 2, 1)
-    assert s.reasons == {"UNAVAILABLE worker lost": 1, "DEADLINE_EXCEEDED": 1}
-    assert s.by_front["grpc-ids"] == {"sent": 5, "ok": 2, "tokenizer_connection": 1, "lost": 2}
+    assert (s.sent, s.completed, s.ok, s.duplicated, s.skipped) == (11, 5, 3, 1, 1)
+    assert (s.failed, s.tokenizer_connection, s.lost, s.wrong) == (6, 2, 4, 1)
+    assert s.reasons == {"UNAVAILABLE worker lost": 1, "DEADLINE_EXCEEDED": 1, "UNAVAILABLE no worker": 1,
+                         "UNAVAILABLE Socket closed": 1}  # fmt: skip
+    assert s.by_front["grpc-ids"] == {"sent": 8, "ok": 2, "tokenizer_connection": 2, "lost": 4}
     r = s.resume["worker stop"]
     assert (r.spanning, r.interrupted) == (1, 1)
     assert r.stalls_s == [pytest.approx(10.3)] and r.resume_s == [pytest.approx(10.2)]  # from the SIGSTOP
@@ -129,4 +138,4 @@ def test_summarize_counts_every_outcome_once() -> None:
     t = s.trends["worker"]
     assert t.restarts == 1 and t.slope_mib_per_hour == pytest.approx(72.0)  # 1 MiB per 50 s, in each life
     assert not s.goal_met
-    assert "| 8 | 5 | 3 | 1 | 1 | 1 | 1 | 2 |" in tables(s, [kill, stop])
+    assert "| 11 | 5 | 3 | 1 | 1 | 1 | 2 | 4 |" in tables(s, [kill, stop])
