@@ -46,7 +46,8 @@ at M = 1, 18.6 / 9.4 at 2, 21.6 / 11.3 at 4, 19.9 / 13.1 at 8, 44.6 / 37.3 at 64
 118-134 packed. Engine prefill steps of 4 x 256 tokens (alternated, medians of 4), MKL -> packed:
 the bench model 626 -> 537 ms, Qwen3-0.6B's widths on 4 layers 1751 -> 1252 ms. On an AVX-512
 Xeon the packed copies lost at one row (0.79x per decode step) and won only from M = 32 (1.1x).
-The copy doubles the weights' memory. Its rounding is oneDNN's, not MKL's: prefill logits move
+The copy doubles the weights' memory, and oneDNN keeps what it builds for each input shape (~0.5-2
+MiB): the worker caps those caches (``services/worker/__init__.py``). Its rounding is oneDNN's, not MKL's: prefill logits move
 by ~1e-6 relative from transformers', within the bar (the engine tier's exactness tests, hybrid
 model included, pass with the copies on every step).
 
