@@ -177,6 +177,7 @@ NATIVE_ROWS = frozenset(range(1, 9))  # what the 8-lane kernel takes
 BATCHED = "strata_batch_packed"  # on a weight Parameter: its MKL-packed copy for decode batches
 BATCH_ROWS = 64  # the rows MKL packs those copies for (they serve 9 to a few hundred rows)
 BATCH_MIN_ROWS = max(NATIVE_ROWS)  # decode steps of more rows than this take the copies
+TIMING_ROUNDS = 5  # passes of each side in the start-up timings (the fastest counts)
 
 
 def pack(model: nn.Module, steps: frozenset[str] = STEPS) -> int:
@@ -233,9 +234,6 @@ def unpack_batches(model: nn.Module) -> None:
     for mod in model.modules():
         if isinstance(mod, Linear) and hasattr(mod.weight, BATCHED):
             delattr(mod.weight, BATCHED)
-
-
-TIMING_ROUNDS = 5  # passes of each side in the start-up timings (the fastest counts)
 
 
 def batch_timing(model: nn.Module, rows: int = 32, rounds: int = TIMING_ROUNDS) -> tuple[float, float]:

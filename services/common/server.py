@@ -119,7 +119,12 @@ class Server:
         await self._server.wait_for_termination()
 
 
-EVENT_LOOPS = ("uvloop", "asyncio")
+EVENT_LOOPS = ("uvloop", "asyncio")  # what STRATA_EVENT_LOOP may name; the first is the default
+
+
+def event_loop() -> str:
+    """The event loop ``STRATA_EVENT_LOOP`` names (unchecked: ``run_service`` refuses others)."""
+    return os.environ.get("STRATA_EVENT_LOOP", EVENT_LOOPS[0])
 
 
 def run_loop(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
@@ -128,7 +133,7 @@ def run_loop(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
     standard library's). Every streamed token is a few loop callbacks in each process it crosses:
     a bare grpc.aio stream cost ~3 µs less of CPU per message on uvloop (docs/benchmarks.md, "the
     frameworks' own floors")."""
-    if os.environ.get("STRATA_EVENT_LOOP", "uvloop") == "asyncio":
+    if event_loop() == "asyncio":
         asyncio.run(main())
     else:
         uvloop.run(main())
@@ -164,7 +169,7 @@ def run_service(
     until SIGINT / SIGTERM. A bad configuration exits with status 2 and a message naming the key."""
     parser = argparse.ArgumentParser(prog=f"strata serve {name}")
     config.add_arguments(parser, cfg_cls)
-    loop = os.environ.get("STRATA_EVENT_LOOP", "uvloop")
+    loop = event_loop()
     if loop not in EVENT_LOOPS:
         parser.error(f"STRATA_EVENT_LOOP: {loop!r} is not one of {', '.join(EVENT_LOOPS)}")
     try:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,7 +37,7 @@ def _growth_mib(**env: str) -> float:
     return float(out.stdout.split()[-1])
 
 
-@pytest.mark.skipif(not __import__("torch").backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 def test_packed_weights_at_many_row_counts_hold_no_memory() -> None:
     bounded = _growth_mib()
     # The same with oneDNN's and ideep's default capacities (1,024 shapes each): the probe is
