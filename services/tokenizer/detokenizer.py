@@ -50,11 +50,21 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_tail[-_CONTEXT_IDS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self._stream = None if backend is None else (DecodeStream(list(self._ids), skip_special_tokens=True), backend)
+        self._stream = None if backend is None else (DecodeStream(self._primer(), skip_special_tokens=True), backend)
         self._stop = tuple(stop)
         self._pending = ""  # decoded but not yet released (could start a stop string)
         self.text = ""  # everything released so far
         self.stopped = False
+
+    def _primer(self) -> list[int]:
+        """The prompt tail the ``DecodeStream`` starts from, without the ids of a character the
+        prompt leaves unfinished: given a prefill whose text ends in U+FFFD, the stream keeps no
+        prefix and would release the whole tail again with the first token. The echoed prompt
+        already shows those ids (as U+FFFD), as a whole decode does."""
+        ids = list(self._ids)
+        while ids and self._decode(ids).endswith("\ufffd"):
+            ids.pop()
+        return ids
 
     def _complete_text(self, ids: Sequence[int]) -> str:
         """New complete text since the last call (``ids`` just appended), advancing the window."""
