@@ -16,7 +16,6 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from services.scheduler.loop import LoopConfig, SchedulerLoop
-from services.scheduler.memory.host_tier import HostTierPlanner
 from services.scheduler.request import Event, Req
 from services.scheduler.worker_link import InProcessWorkerLink
 
@@ -42,7 +41,9 @@ class Counts(NamedTuple):
 
 
 class Tiers:
-    """The loop's memory (its host tier) and the engine's pools, and the flushes that force a tier.
+    """The loop's memory (with a host tier) and the engine's pools, and the flushes that force a
+    tier: the memory through its public verbs (``flush``, ``stats``, ``pending``), the worker's
+    pools scribbled over directly.
 
     ``order`` is the sequence of requests one prompt gets; ``cached(tier, n)`` is what a request
     of that tier must reuse of an ``n``-token prompt, and ``expect`` how the counters must grow.
@@ -56,39 +57,29 @@ class Tiers:
         assert engine.host is not None, "the worker needs a host pool"
         self.host = engine.host
         b = loop.batcher
-        assert b is not None and isinstance(b.mem.host, HostTierPlanner), "a memory with a host tier"
-        self.mem, self.tier, self.tree = b.mem, b.mem.host, b.mem.host.tree
+        assert b is not None and b.mem.host is not None, "a memory with a host tier"
+        self.mem = b.mem
         self.hybrid = b.mem.states is not None
         assert not self.hybrid or (engine.mamba is not None and self.host.states is not None)
 
     @property
     def page(self) -> int:
         """Tokens per host / L3 page."""
-        return self.tier.tree_page
+        return self.mem.cache_page
 
     def counts(self) -> Counts:
-        c, h = self.tier.counters, self.host
-        return Counts(c.load_tokens, c.prefetched_pages, h.pages_got, c.state_loads, c.states_prefetched,
-                      h.states_got)
-
-    @property
-    def inflight(self) -> int:
-        """Backups, puts and prefetches sent and not yet acknowledged."""
-        return self.tier.inflight
+        c, h = self.mem.stats()["host_events"], self.host
+        return Counts(c["load_tokens"], c["prefetched_pages"], h.pages_got, c["state_loads"],
+                      c["states_prefetched"], h.states_got)  # fmt: skip
 
     def quiet(self) -> bool:
-        """No backup, put or prefetch in flight or queued."""
-        return self.tier.inflight == 0 and not self.mem.pending
+        """No backup, put, load or prefetch in flight or queued."""
+        return not self.mem.pending
 
     def flush_device(self) -> None:
         """Drop every device copy (write_through put each on the host already) and scribble over
         the device pools, so a prefix can only come back through a load."""
-        tree, mem = self.tree, self.mem
-        tree.evict(tree.evictable_size)
-        tree.evict_states(tree.state_evictable)
-        pool = mem.states.pool if mem.states is not None else None
-        if (tree.evictable_size or tree.state_evictable or tree.state_protected or mem.slots.available != mem.size
-                or (pool is not None and pool.available != pool.size)):
+        if not self.mem.flush():
             raise RuntimeError("device flush incomplete: a device page or state is still held")
         kv, mamba = self.engine.kv, self.engine.mamba
         states = (*mamba.conv, *mamba.ssm) if mamba is not None else ()
@@ -98,9 +89,7 @@ class Tiers:
     def flush_host(self) -> None:
         """``flush_device``, then drop every host entry and scribble over the host pools."""
         self.flush_device()
-        self.tier.kv_host.evict(len(self.tier.kv_host))
-        self.tier.state_host.evict(len(self.tier.state_host))
-        if len(self.tier.kv_host) or len(self.tier.state_host):
+        if not self.mem.flush(host=True):
             raise RuntimeError("host flush incomplete: a host page or state is still held")
         self.host.pool.pages.normal_()
         if self.host.states is not None:
@@ -149,7 +138,7 @@ class Tiers:
             if self.task.done():
                 raise RuntimeError("the scheduler loop stopped") from self.task.exception()
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the loop did not settle in {timeout_s:.0f}s: {self.inflight} jobs in flight")
+                raise RuntimeError(f"the loop did not settle in {timeout_s:.0f}s: host jobs still in flight")
             await asyncio.sleep(0.01)
 
 

@@ -94,11 +94,10 @@ def run_one(run: Run, w: Workload, args: argparse.Namespace) -> Result:
             await warm_up(b, min(eng.info.vocab_size, 512))
             out = await replay(b, w, args.rows, _say, args.timeout_s)
             assert b.loop is not None and b.loop.batcher is not None
-            mem = b.loop.batcher.mem
-            if mem.states is not None:
-                c = mem.states.counters
-                counters.update(states_evicted=c.evicted, forks_inserted=c.fork_inserted,
-                                forks_skipped=c.fork_skipped, donated=c.donated)
+            c = b.loop.batcher.mem.stats().get("state_events")
+            if c is not None:
+                counters.update(states_evicted=c["evicted"], forks_inserted=c["fork_inserted"],
+                                forks_skipped=c["fork_skipped"], donated=c["donated"])
             return out
 
     _say(f"-- {run.label}")

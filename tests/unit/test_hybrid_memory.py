@@ -211,3 +211,23 @@ def test_admission_waits_for_a_state_slot_instead_of_failing() -> None:
         b.commit(p, [(3, None)] * len(p.sampled))
     assert y.finished is Finish.LENGTH and z.finished is Finish.LENGTH
     mem.check_idle()
+
+
+def test_flush_drops_every_cached_page_and_state_and_the_books_balance() -> None:
+    """``Memory.flush`` (an operator's cache flush; the tier rigs force a tier with it): after a
+    random load has cached pages and states, nothing stays cached, every pool is wholly free, and
+    a prompt seen before matches nothing."""
+    cached_states = 0
+    for seed in range(4):
+        mem = _drive(seed, seed % 2 == 0, num_slots=96, num_states=6, rows=4, page=1)
+        assert mem.tree.total_size() > 0 and mem.usage().evictable > 0  # something to flush
+        assert mem.states is not None
+        cached_states += mem.states.owners()["cache"]
+        assert mem.flush()
+        u = mem.usage()
+        assert (u.free, u.evictable, u.protected) == (u.size, 0, 0) and mem.tree.total_size() == 0
+        assert mem.states.pool.available == mem.states.pool.size and mem.states.owners()["cache"] == 0
+        mem.check_idle()
+        req = _req("again", [1, 2, 3, 4, 5], 1, ignore_eos=True)
+        assert mem.prefix_len(req) == 0
+    assert cached_states > 0  # states were cached, and went

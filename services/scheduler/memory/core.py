@@ -26,6 +26,10 @@ The life of a request's memory, one verb per point (the batcher calls them in th
     commit_fork  a committed checkpoint enters the tree with its state
     release      finished, aborted or retracted: computed pages to the tree, the rest freed
 
+Outside a request's life: ``set_limits`` and ``drain`` move the elastic pools' limits, ``flush``
+drops everything cached that no request holds (an operator's flush; the tier benchmarks force a
+tier with it), ``check_idle`` checks the books.
+
 Ownership of a request's slots (``req.mem``, see ``request_memory.py``): ``slots[:cache_len]``
 belong to the tree and are locked by the request; ``slots[cache_len:]`` are the request's until it
 caches or frees them.
@@ -384,6 +388,26 @@ class Memory:
     @property
     def rows_free(self) -> int:
         return self.rows.available
+
+    def flush(self, host: bool = False) -> bool:
+        """Drop every cached entry that no request holds, as an operator's cache flush: the
+        device's KV pages and states, and with ``host`` the host tier's pages and states too.
+        True when nothing is left cached or held (every pool wholly free)."""
+        self.evicted += self.tree.evict(self.tree.evictable_size)
+        if self.states is not None:
+            self.states.counters.evicted += self.tree.evict_states(self.tree.state_evictable)
+        t = self.tree
+        empty = not (t.evictable_size or t.state_evictable or t.state_protected) and self.slots.available == self.size
+        if self.states is not None:
+            empty = empty and self.states.pool.available == self.states.pool.size
+        if host and self.host is not None:
+            empty = self.host.flush() and empty
+        return empty
+
+    @property
+    def cache_page(self) -> int:
+        """Tokens per page of the prefix tree, the host tier and L3 (a multiple of ``page_size``)."""
+        return self.tree.page_size
 
     # -- accounting -----------------------------------------------------------------------------
     def usage(self) -> Usage:

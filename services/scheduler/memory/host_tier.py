@@ -310,6 +310,12 @@ class HostTierPlanner:
         """Backups, puts and prefetches sent and not yet wholly acknowledged."""
         return self.busy
 
+    def flush(self) -> bool:
+        """Drop every host page and state no job pins; True when none is left."""
+        self.kv_host.evict(len(self.kv_host))
+        self.state_host.evict(len(self.state_host))
+        return not (len(self.kv_host) or len(self.state_host))
+
     # -- accounting -----------------------------------------------------------------------------
     def host_pages(self) -> dict[str, int]:
         """Host KV pages by state (host states are counted in the events)."""
