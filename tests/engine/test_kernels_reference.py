@@ -1,4 +1,5 @@
-"""The torch references in `kernels/` (the CPU path of the models) against naive per-token code and
+"""The torch code in `kernels/` (each function's reference implementation, which the Triton kernels
+are checked against and the CPU runs where no native kernel serves) against naive per-token code and
 against the functions Hugging Face's Qwen3-Next runs, plus the launchers' argument checks."""
 
 from __future__ import annotations
