@@ -27,8 +27,8 @@ The life of a request's memory, one verb per point (the batcher calls them in th
     release      finished, aborted or retracted: computed pages to the tree, the rest freed
 
 Outside a request's life: ``set_limits`` and ``drain`` move the elastic pools' limits, ``flush``
-drops everything cached that no request holds (an operator's flush; the tier benchmarks force a
-tier with it), ``check_idle`` checks the books.
+drops everything cached that no request holds (the tier benchmarks force a tier with it; no
+endpoint exposes it yet), ``check_idle`` checks the books.
 
 Ownership of a request's slots (``req.mem``, see ``request_memory.py``): ``slots[:cache_len]``
 belong to the tree and are locked by the request; ``slots[cache_len:]`` are the request's until it
@@ -390,7 +390,7 @@ class Memory:
         return self.rows.available
 
     def flush(self, host: bool = False) -> bool:
-        """Drop every cached entry that no request holds, as an operator's cache flush: the
+        """Drop every cached entry that no request holds (what a cache flush would do): the
         device's KV pages and states, and with ``host`` the host tier's pages and states too.
         True when nothing is left cached or held (every pool wholly free)."""
         self.evicted += self.tree.evict(self.tree.evictable_size)
