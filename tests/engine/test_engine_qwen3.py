@@ -160,6 +160,42 @@ def test_mixed_batch_of_every_path(engine: Engine, ckpt: Ckpt) -> None:
     assert max_diff(got, want) < TOL
 
 
+def test_last_layer_runs_only_the_rows_that_give_logits(engine: Engine, ckpt: Ckpt) -> None:
+    """A step of a cold prompt, a prefix hit, a chunk that gives no logits and a decode: the last
+    layer's MLP sees only the three rows that are sampled, every logprob still matches transformers,
+    and the KV that the unsampled rows stored is what a later step needs (the silent chunk's
+    continuation matches too)."""
+    slots = Slots()
+    base, decoding, chunked = prompt(20, 33), prompt(21, 12), prompt(22, 50)
+    base_slots = slots.take(33)
+    engine.forward_logits(StepRequest(0, reqs=[extend("base", 0, base, 0, base_slots)]))
+    engine.forward_logits(StepRequest(1, reqs=[extend("dec", 1, decoding[:11], 0, slots.take(11))]))
+    cold, hit = prompt(23, 21), base[:16] + prompt(24, 9)
+    reqs = [
+        extend("cold", 2, cold, 0, slots.take(21), return_logprobs=True, top_logprobs=2),
+        extend("chunk", 3, chunked[:30], 0, slots.take(30), sample=False),
+        extend("dec", 1, decoding[11:], 11, slots.take(1), return_logprobs=True, top_logprobs=2),
+        extend("hit", 4, hit[16:], 16, slots.take(9), prefix_slots=base_slots[:16], return_logprobs=True,
+               top_logprobs=2),
+    ]
+    mlp_rows: list[int] = []
+    last = engine.model.model.layers[-1].mlp  # type: ignore[union-attr,index]
+    hook = last.register_forward_hook(lambda _m, args, _out: mlp_rows.append(args[0].shape[0]))
+    try:
+        result = engine.step(StepRequest(2, reqs=reqs))
+    finally:
+        hook.remove()
+    assert mlp_rows == [3]
+    for out, ids in zip(result.outputs, (cold, decoding, hit), strict=True):
+        want = torch.log_softmax(ref_logits(ckpt, ids)[-1], dim=-1)
+        assert out.logprob is not None
+        assert abs(out.logprob.logprob - float(want[out.token_id])) < TOL
+        for tok, lp in out.logprob.top:
+            assert abs(lp - float(want[tok])) < TOL
+    got = engine.forward_logits(StepRequest(3, reqs=[extend("chunk", 3, chunked[30:], 30, slots.take(20))]))
+    assert max_diff(got, ref_logits(ckpt, chunked)[30:]) < TOL
+
+
 def run_greedy(engine: Engine, prompts: list[list[int]], steps: int, overlap: bool) -> list[list[int]]:
     """Prefill every prompt in one step, then decode them together, like a scheduler would."""
     slots = Slots()

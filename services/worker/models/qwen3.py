@@ -115,8 +115,11 @@ class DenseAttention(nn.Module):
         self.rotary = rotary
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Every token's K/V is stored; with ``keep``, only those tokens' outputs are projected and
+        returned (``[len(keep), hidden]``)."""
         t = x.shape[0]
         q = self.q_proj(x).view(t, -1, self.head_dim)
         k = self.k_proj(x).view(t, -1, self.head_dim)
@@ -124,7 +127,9 @@ class DenseAttention(nn.Module):
         q = self.rotary.norm_apply(q, self.q_norm, cos, sin)
         k = self.rotary.norm_apply(k, self.k_norm, cos, sin)
         o = ctx.attn.forward(q, k, v, self.kv_layer, batch, self.scale)
-        return self.tp.all_reduce(self.o_proj(o.reshape(t, -1)))
+        if keep is not None:
+            o = o.index_select(0, keep)
+        return self.tp.all_reduce(self.o_proj(o.flatten(1)))
 
 
 class DenseDecoderLayer(nn.Module):
@@ -137,13 +142,16 @@ class DenseDecoderLayer(nn.Module):
 
     def forward(
         self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-        ctx: ForwardContext,
+        ctx: ForwardContext, keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` is ``input_layernorm(h)`` of the residual stream ``h``. Returns the MLP's output and
         the stream after attention: the stream after the layer is their sum, which the caller adds
-        in one pass with the next norm (``RMSNorm.add_norm``)."""
+        in one pass with the next norm (``RMSNorm.add_norm``). With ``keep`` (token indices), both
+        are for those tokens only: every token's K/V is still stored."""
         # Residual adds go into the branch's fresh output (a + b == b + a exactly): no new [T, hidden].
-        a = self.self_attn(x, cos, sin, batch, ctx)
+        a = self.self_attn(x, cos, sin, batch, ctx, keep)
+        if keep is not None:
+            h = h.index_select(0, keep)
         return self.mlp(self.post_attention_layernorm.add_norm(a, h)), a
 
 
@@ -156,19 +164,25 @@ class DenseModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
-        """Hidden states after the final norm for the tokens in ``batch.logit_index``."""
+        """Hidden states after the final norm for the tokens in ``batch.logit_index``.
+
+        Only those tokens go past the last layer's attention: the other tokens' K/V is all a later
+        step reads of them, so the last layer's output projection and MLP run on the logit rows
+        alone (a prefill chunk: one row of its hundreds; 1/num_layers of a prefill's products)."""
         h = self.embed_tokens(batch.input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions)
         layers = cast(list[DenseDecoderLayer], list(self.layers))
         x = layers[0].input_layernorm(h)
+        keep = batch.logit_index if len(batch.logit_index) < batch.num_tokens else None
         for i, layer in enumerate(layers):
-            m, a = layer(x, h, cos, sin, batch, ctx)
             if i + 1 < len(layers):  # the residual add and the next layer's norm in one pass
+                m, a = layer(x, h, cos, sin, batch, ctx)
                 x, h = layers[i + 1].input_layernorm.add_norm(m, a), m
             else:
+                m, a = layer(x, h, cos, sin, batch, ctx, keep)
                 h = m.add_(a)
         # RMSNorm is per token, so selecting first is exact and skips the other tokens' work.
-        return self.norm(h.index_select(0, batch.logit_index))
+        return self.norm(h if keep is not None else h.index_select(0, batch.logit_index))
 
 
 class Qwen3ForCausalLM(nn.Module):
