@@ -22,7 +22,7 @@ the hybrid's fp32 bar of test_engine_device.py (measured on an H100: 1.7e-4 for 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -218,6 +218,40 @@ def test_mixed_batch(ckpt: Checkpoint) -> None:
     ]
     for out, ref in zip(outs, refs, strict=True):
         assert max_diff(out, ref) < TOL
+
+
+def test_last_layer_mlp_runs_only_on_sampled_rows(ckpt: Checkpoint) -> None:
+    """An ``Engine.step`` of a cold prompt, a chunk that gives no logits and a decode: the last
+    layer's MLP sees the two sampled rows only; their logprobs match transformers, and the silent
+    chunk's K/V and recurrent state are whole (its continuation matches too)."""
+    h = Harness(ckpt)
+    chunked, dec, cold_ids = prompt(40, 21), prompt(13, 22), prompt(19, 23)
+    cont, d, cold = h.new_req(), h.new_req(), h.new_req()
+    h.run([(d, dec[:-1])])
+    inputs = h._inputs([(cold, cold_ids), (cont, chunked[:25]), (d, dec[-1:])])
+    inputs = [
+        replace(inputs[0], return_logprobs=True, top_logprobs=2),
+        replace(inputs[1], sample=False),
+        replace(inputs[2], return_logprobs=True, top_logprobs=2),
+    ]
+    rows: list[int] = []
+    last = h.engine.model.model.layers[-1].mlp  # type: ignore[union-attr,index]
+    hook = last.register_forward_hook(lambda _m, args, _out: rows.append(args[0].shape[0]))
+    try:
+        result = h.engine.step(StepRequest(next(h._step), ops=h._ops, reqs=inputs))
+    finally:
+        hook.remove()
+    h._ops = []
+    assert rows == [2]
+    refs = [reference_logits(ckpt, cold_ids)[-1], reference_logits(ckpt, dec[:-1], dec[-1:])[-1]]
+    for out, ref in zip(result.outputs, refs, strict=True):
+        want = torch.log_softmax(ref, dim=-1)
+        assert out.logprob is not None
+        assert abs(out.logprob.logprob - float(want[out.token_id])) < TOL
+        for tok, lp in out.logprob.top:
+            assert abs(lp - float(want[tok])) < TOL
+    (rest,) = h.run([(cont, chunked[25:])])
+    assert max_diff(rest, reference_logits(ckpt, chunked[:25], chunked[25:])[25:]) < TOL
 
 
 def test_resume_from_forked_state_equals_uninterrupted(ckpt: Checkpoint) -> None:

@@ -152,7 +152,10 @@ class DecoderLayer(nn.Module):
         spans: StateSpans | None,
         batch: ForwardBatch,
         ctx: ForwardContext,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """With ``keep`` (token indices), the MLP runs on those tokens only and only their rows are
+        returned; the mixer still sees every token (K/V stored, recurrent state advanced)."""
         h = self.input_layernorm(x)
         if self.linear_attn is not None:
             # The model forward checked that spans and ctx.mamba exist when any layer is linear.
@@ -163,6 +166,8 @@ class DecoderLayer(nn.Module):
             assert self.self_attn is not None
             h = self.self_attn(h, rotary, batch, ctx)
         x = x + h
+        if keep is not None:
+            x = x.index_select(0, keep)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -229,17 +234,21 @@ class Qwen3NextForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
+        # Past the last layer's mixer only the logit rows go on (``DenseModel.forward`` says why).
+        if len(batch.logit_index) < batch.num_tokens:
+            return self.lm_head(self.model.norm(self._layers(batch, ctx, batch.logit_index)))
         return self.lm_head(self.model.norm(self._layers(batch, ctx)[batch.logit_index]))
 
     @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward``'s logits and the hidden state of every new token after the final norm
         ``[T, H]`` (what the MTP head reads). The logits rows are normed on their own, exactly as
-        ``forward`` does, so that they are bit for bit ``forward``'s."""
+        ``forward`` does; ``forward`` runs the last layer's MLP on those rows alone, so the two agree
+        to rounding."""
         x = self._layers(batch, ctx)
         return self.lm_head(self.model.norm(x[batch.logit_index])), self.model.norm(x)
 
-    def _layers(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
+    def _layers(self, batch: ForwardBatch, ctx: ForwardContext, keep: torch.Tensor | None = None) -> torch.Tensor:
         spans = None
         if self.model.num_linear_layers:
             if ctx.mamba is None or batch.mamba_slots is None:
@@ -249,6 +258,7 @@ class Qwen3NextForCausalLM(nn.Module):
                 cu.append(cu[-1] + n)
             spans = StateSpans(tuple(cu), tuple(batch.mamba_slots.tolist()))
         x = self.model.embed_tokens(batch.input_ids)
-        for layer in self.model.layers:
+        layers = list(self.model.layers)
+        for layer in layers[:-1]:
             x = layer(x, self.rotary, spans, batch, ctx)
-        return x
+        return layers[-1](x, self.rotary, spans, batch, ctx, keep)
