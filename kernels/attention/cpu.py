@@ -105,6 +105,10 @@ class AttentionPlan:
     runs: list[RunPass]
     run_tokens: torch.Tensor  # [len(runs)] the runs' token indices
     paged: PagedSegments | None = None  # replaces runs and buckets when the native kernel runs
+    # The same passes for the logit rows alone (a model's last layer: ``run_attention(kept=True)``),
+    # their tokens numbered in ``logit_rows`` order; planned where ``paged`` covers every pass.
+    kept: PagedSegments | None = None
+    num_kept: int = 0
 
 
 def _as_slots(slots: torch.Tensor) -> Slots:
@@ -125,6 +129,7 @@ def plan_attention(
     groups: PrefixGroups | None,
     native_decode: bool = False,
     native_extend: bool = False,
+    logit_rows: list[int] | None = None,
 ) -> AttentionPlan:
     """The passes of one forward. ``req_to_token`` must already hold this step's slots; request
     ``b`` owns ``rows[b]``, has ``start_pos[b]`` cached tokens and ``extend_lens[b]`` new ones.
@@ -132,7 +137,9 @@ def plan_attention(
     (fp32 pools, the library built) instead of runs and gathered buckets, and so do the shared runs
     of groups whose members are all decodes. ``native_extend`` (with ``native_decode``; head sizes
     that are multiples of 16): every pass goes to that kernel, prefill chunks causally over their own
-    range, and nothing is merged in Python."""
+    range, and nothing is merged in Python. ``logit_rows[b]``: how many of request ``b``'s last new
+    tokens give logits; with ``native_extend``, the passes of those tokens alone are planned too
+    (``AttentionPlan.kept``)."""
     batch = len(rows)
     cu = [0]
     for n in extend_lens:
@@ -176,7 +183,10 @@ def plan_attention(
 
         paged = PagedSegments(req_to_token, t([seg[0] for seg in segments]), t([seg[1] for seg in segments]), t(ptr),
                               t([tok for seg in segments for tok in seg[2]]), t([seg[3] for seg in segments]))
-        return AttentionPlan(cu[-1], shared, [], extends, [], torch.empty(0, dtype=torch.int64), paged)
+        kept, num_kept = None, 0
+        if native_extend and logit_rows is not None:
+            kept, num_kept = _kept_segments(req_to_token, segments, cu, logit_rows), sum(logit_rows)
+        return AttentionPlan(cu[-1], shared, [], extends, [], torch.empty(0, dtype=torch.int64), paged, kept, num_kept)
     runs: list[RunPass] = []
     rest_start = list(kv_start)  # where the gathered part of each decode's own range begins
     for b in decodes:
@@ -189,6 +199,33 @@ def plan_attention(
     buckets = _bucket_decodes(req_to_token, rows, start_pos, rest_start, decodes, cu)
     run_tokens = torch.tensor([r.token for r in runs], dtype=torch.int64)
     return AttentionPlan(cu[-1], shared, buckets, extends, runs, run_tokens)
+
+
+def _kept_segments(
+    req_to_token: torch.Tensor, segments: list[tuple[int, int, list[int], int]], cu: list[int], logit_rows: list[int]
+) -> PagedSegments:
+    """``segments`` read by the logit rows only: request ``b``'s last ``logit_rows[b]`` tokens,
+    renumbered in that order. A segment's readers are whole requests' tokens in order, so its kept
+    readers are a suffix of them, and a causal segment's base moves past the tokens dropped."""
+    new_index: dict[int, int] = {}
+    for b, m in enumerate(logit_rows):
+        for tok in range(cu[b + 1] - m, cu[b + 1]):
+            new_index[tok] = len(new_index)
+    starts, ends, ptr, tokens, causal = [], [], [0], [], []
+    for first, end, readers, base in segments:
+        mine = [new_index[tok] for tok in readers if tok in new_index]
+        if not mine:
+            continue
+        starts.append(first)
+        ends.append(end)
+        tokens += mine
+        ptr.append(len(tokens))
+        causal.append(base + len(readers) - len(mine) if base >= 0 else -1)
+
+    def t(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64)
+
+    return PagedSegments(req_to_token, t(starts), t(ends), t(ptr), t(tokens), t(causal))
 
 
 def _extend_passes(
@@ -276,10 +313,19 @@ def run_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     scale: float,
+    kept: bool = False,
 ) -> torch.Tensor:
     """Attention of ``q [T, Hq, D]`` for one layer, following ``plan``. ``k_new, v_new [T, Hkv, D]``
     are this step's keys and values (already stored in the caches too). Returns ``[T, Hq, D]`` in
-    q's dtype."""
+    q's dtype. ``kept``: ``q`` holds the logit rows alone, which ``plan.kept`` attends."""
+    if kept:
+        p = plan.kept
+        if p is None or q.shape[0] != plan.num_kept:
+            raise ValueError(f"no plan for {q.shape[0]} kept rows (planned: {plan.num_kept if p else 'none'})")
+        out = torch.empty(q.shape, dtype=torch.float32)
+        native.paged_attend(q.contiguous(), k_cache, v_cache, p.slots, p.starts, p.ends, p.ptr, p.tokens, scale, out,
+                            torch.empty(q.shape[:2], dtype=torch.float32), p.causal)
+        return out.to(q.dtype)
     t, hq, d = q.shape
     merging = bool(plan.shared or plan.runs)
     out = torch.empty((t, hq, d), dtype=torch.float32 if merging else q.dtype)

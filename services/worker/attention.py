@@ -7,9 +7,11 @@ and the models never ask which one they hold. Two verbs:
   that depends only on the batch — prefix groups, the CPU pass plan — read from the host copy of
   ``req_to_token``, which must already hold this step's slots. The result travels in the batch
   (``ForwardBatch.attn``).
-* ``forward(q, k, v, layer, batch, scale)``, once per full-attention layer: stores the batch's K/V at
-  ``batch.out_slots`` in that layer's pool buffers, then attends every new token causally over its
-  request's row (cached prefix and new tokens alike).
+* ``forward(q, k, v, layer, batch, scale, keep=None)``, once per full-attention layer: stores the
+  batch's K/V at ``batch.out_slots`` in that layer's pool buffers, then attends every new token
+  causally over its request's row (cached prefix and new tokens alike); with ``keep`` (a model's
+  last layer: ``batch.logit_index``) only those tokens, where the plan has a pass for them alone
+  (the CPU backend's native kernel), else every token, then those rows.
 
 The backends (``attention_backend`` picks one):
 
@@ -76,23 +78,33 @@ class AttentionBackend(ABC):
         self.req_to_token = req_to_token
 
     @abstractmethod
-    def prepare(self, rows: list[int], start_pos: list[int], extend_lens: list[int]) -> AttentionMeta:
+    def prepare(
+        self, rows: list[int], start_pos: list[int], extend_lens: list[int], logit_rows: list[int] | None = None
+    ) -> AttentionMeta:
         """The per-forward plan of a batch in which request ``b`` owns row ``rows[b]``, has
-        ``start_pos[b]`` cached tokens and ``extend_lens[b] >= 1`` new ones. Reads the host slot
+        ``start_pos[b]`` cached tokens and ``extend_lens[b] >= 1`` new ones, of which the last
+        ``logit_rows[b]`` give logits (``None``: no ``keep`` will be asked). Reads the host slot
         table (this step's slots already written); mutates nothing."""
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch, scale: float
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch, scale: float,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store ``k, v [T, Hkv, D]`` at ``batch.out_slots`` in KV layer ``layer`` and attend
-        ``q [T, Hq, D]``; returns ``[T, Hq, D]`` in the pool's dtype. ``batch`` must have been built
-        with this backend (its ``attn`` is this backend's plan)."""
+        ``q [T, Hq, D]``; returns ``[T, Hq, D]`` in the pool's dtype, or with ``keep``
+        (``batch.logit_index``) the rows of those tokens alone. ``batch`` must have been built with
+        this backend (its ``attn`` is this backend's plan)."""
         k_cache, v_cache = self.kv.layer(layer)
         k = k.to(k_cache.dtype).contiguous()
         v = v.to(v_cache.dtype).contiguous()
         q = q.to(k_cache.dtype)
         store_kv(k_cache, v_cache, batch.out_slots, k, v, padded=batch.padded)
-        return self._attend(q, k, v, k_cache, v_cache, batch, scale)
+        if keep is None:
+            return self._attend(q, k, v, k_cache, v_cache, batch, scale)
+        plan = batch.attn.plan
+        if plan is not None and plan.kept is not None:
+            return run_attention(plan, q.index_select(0, keep), k, v, k_cache, v_cache, scale, kept=True)
+        return self._attend(q, k, v, k_cache, v_cache, batch, scale).index_select(0, keep)
 
     @abstractmethod
     def _attend(
@@ -105,7 +117,9 @@ class AttentionBackend(ABC):
 class ReferenceAttention(AttentionBackend):
     """The torch references: whole rows gathered token by token, padded to the longest request."""
 
-    def prepare(self, rows: list[int], start_pos: list[int], extend_lens: list[int]) -> AttentionMeta:
+    def prepare(
+        self, rows: list[int], start_pos: list[int], extend_lens: list[int], logit_rows: list[int] | None = None
+    ) -> AttentionMeta:
         return NO_META
 
     def _attend(
@@ -130,10 +144,13 @@ class CpuAttention(AttentionBackend):
         # Prefill chunks too, where the kernel's several-row path takes the head size.
         self.native_extend = native_decode and kv.head_dim % 16 == 0
 
-    def prepare(self, rows: list[int], start_pos: list[int], extend_lens: list[int]) -> AttentionMeta:
+    def prepare(
+        self, rows: list[int], start_pos: list[int], extend_lens: list[int], logit_rows: list[int] | None = None
+    ) -> AttentionMeta:
         table = self.req_to_token.host
         groups = find_prefix_groups(table, rows, start_pos, self.kv.device) if self.cascade else None
-        plan = plan_attention(table, rows, start_pos, extend_lens, groups, self.native_decode, self.native_extend)
+        plan = plan_attention(table, rows, start_pos, extend_lens, groups, self.native_decode, self.native_extend,
+                              logit_rows)
         return AttentionMeta(groups, plan)
 
     def _attend(
@@ -154,7 +171,9 @@ class TritonAttention(AttentionBackend):
         super().__init__(kv, req_to_token)
         self.cascade = cascade
 
-    def prepare(self, rows: list[int], start_pos: list[int], extend_lens: list[int]) -> AttentionMeta:
+    def prepare(
+        self, rows: list[int], start_pos: list[int], extend_lens: list[int], logit_rows: list[int] | None = None
+    ) -> AttentionMeta:
         if not self.cascade:
             return NO_META
         return AttentionMeta(find_prefix_groups(self.req_to_token.host, rows, start_pos, self.kv.device))

@@ -137,6 +137,8 @@ class ForwardBatch:
             logit_index = [e - 1 for e, w in zip(cu[1:], want, strict=True) if w]
         else:
             logit_index = [i for e, w in zip(cu[1:], want, strict=True) for i in range(e - w, e)]
+        # The models' last layer asks attention for the logit rows alone (``keep``) when they are fewer.
+        logit_rows = None if len(logit_index) == cu[-1] else [int(w) for w in want]
 
         def t(values: list[int]) -> torch.Tensor:
             return int64_tensor(values, device)
@@ -154,7 +156,7 @@ class ForwardBatch:
             mamba_slots=None if inp.mamba_slots is None else t(inp.mamba_slots),
             start_pos_list=start,
             extend_lens_list=lens,
-            attn=attn.prepare(rows, start, lens) if meta is None else meta,
+            attn=attn.prepare(rows, start, lens, logit_rows) if meta is None else meta,
         )
 
 

@@ -78,6 +78,36 @@ def test_every_pass_equals_the_reference(seed: int, scattered: bool, native_deco
         assert float((got - want).abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("scattered", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_kept_rows_attend_like_the_whole_batch(seed: int, scattered: bool) -> None:
+    """A model's last layer asks for the logit rows alone (``logit_rows``: the last 0, 1 or all new
+    tokens of each request): those rows equal the same rows of the whole batch's pass, grouped or
+    not; and the plan refuses rows it did not plan."""
+    if native.load() is None:
+        pytest.skip("no C compiler here: the native kernel is not built")
+    table, rows, starts, lens = _batch(seed, scattered)
+    rng = random.Random(seed)
+    logit_rows = [rng.choice([0, 1, n]) for n in lens]
+    logit_rows[0] = 1  # at least one row is kept
+    g = torch.Generator().manual_seed(seed)
+    k_cache, v_cache = torch.randn(6000, HKV, D, generator=g), torch.randn(6000, HKV, D, generator=g)
+    q = torch.randn(sum(lens), HQ, D, generator=g)
+    new_slots = torch.cat([table[r, s : s + n] for r, s, n in zip(rows, starts, lens, strict=True)])
+    k_new, v_new = k_cache[new_slots], v_cache[new_slots]
+    ends = list(torch.tensor(lens).cumsum(0).tolist())
+    keep = torch.tensor([i for e, m in zip(ends, logit_rows, strict=True) for i in range(e - m, e)])
+    for grouping in (None, find_prefix_groups(table, rows, starts)):
+        plan = plan_attention(table, rows, starts, lens, grouping, True, True, logit_rows)
+        whole = run_attention(plan, q, k_new, v_new, k_cache, v_cache, 0.3)
+        got = run_attention(plan, q.index_select(0, keep), k_new, v_new, k_cache, v_cache, 0.3, kept=True)
+        assert float((got - whole.index_select(0, keep)).abs().max()) < 1e-6
+        with pytest.raises(ValueError, match="kept rows"):
+            run_attention(plan, q, k_new, v_new, k_cache, v_cache, 0.3, kept=True)
+    unplanned = plan_attention(table, rows, starts, lens, None, True, True)
+    assert unplanned.kept is None
+
+
 def test_runs_are_taken_only_when_long_and_contiguous() -> None:
     table = torch.zeros(3, 400, dtype=torch.int64)
     table[0, :300] = torch.arange(1000, 1300)  # one run, then the new token elsewhere

@@ -50,5 +50,9 @@ def test_a_mixed_batch_samples_as_the_sampler_does_row_by_row(tiny_qwen3: Path) 
     got = Engine(tiny_qwen3, cfg).step(_step(prompts, 1)).outputs
     assert [o.token_id for o in got] == [w.token_id for w in want]
     assert [o.row for o in got] == list(range(len(PARAMS)))
-    assert got[2].logprob is not None and got[2].logprob.top == want[2].top
+    # ``step`` runs its last layer on the sampled rows alone, ``forward_logits`` on every row: the
+    # same values up to the rounding of GEMMs of other shapes.
+    assert got[2].logprob is not None and want[2].top
+    assert [t for t, _ in got[2].logprob.top] == [t for t, _ in want[2].top]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(got[2].logprob.top, want[2].top, strict=True)) < 1e-5
     assert all(o.logprob is None for i, o in enumerate(got) if i != 2)

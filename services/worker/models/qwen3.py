@@ -118,7 +118,7 @@ class DenseAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext,
         keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Every token's K/V is stored; with ``keep``, only those tokens' outputs are projected and
+        """Every token's K/V is stored; with ``keep``, only those tokens are attended, projected and
         returned (``[len(keep), hidden]``)."""
         t = x.shape[0]
         q = self.q_proj(x).view(t, -1, self.head_dim)
@@ -126,9 +126,7 @@ class DenseAttention(nn.Module):
         v = self.v_proj(x).view(t, -1, self.head_dim)
         q = self.rotary.norm_apply(q, self.q_norm, cos, sin)
         k = self.rotary.norm_apply(k, self.k_norm, cos, sin)
-        o = ctx.attn.forward(q, k, v, self.kv_layer, batch, self.scale)
-        if keep is not None:
-            o = o.index_select(0, keep)
+        o = ctx.attn.forward(q, k, v, self.kv_layer, batch, self.scale, keep)
         return self.tp.all_reduce(self.o_proj(o.flatten(1)))
 
 
@@ -166,9 +164,10 @@ class DenseModel(nn.Module):
     def forward(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states after the final norm for the tokens in ``batch.logit_index``.
 
-        Only those tokens go past the last layer's attention: the other tokens' K/V is all a later
-        step reads of them, so the last layer's output projection and MLP run on the logit rows
-        alone (a prefill chunk: one row of its hundreds; 1/num_layers of a prefill's products)."""
+        Only those tokens go past the last layer's K/V: the other tokens' K/V is all a later step
+        reads of them, so the last layer's attention (where the backend plans it: ``keep``), output
+        projection and MLP run on the logit rows alone (a prefill chunk: one row of its hundreds;
+        1/num_layers of a prefill's products)."""
         h = self.embed_tokens(batch.input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions)
         layers = cast(list[DenseDecoderLayer], list(self.layers))

@@ -154,20 +154,21 @@ class DecoderLayer(nn.Module):
         ctx: ForwardContext,
         keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """With ``keep`` (token indices), the MLP runs on those tokens only and only their rows are
-        returned; the mixer still sees every token (K/V stored, recurrent state advanced)."""
+        """With ``keep`` (token indices), only those tokens' rows are returned: a full-attention
+        mixer attends them alone (every token's K/V stored), a linear one still runs every token
+        (its recurrent state advances through all), and the MLP runs on them alone."""
         h = self.input_layernorm(x)
         if self.linear_attn is not None:
             # The model forward checked that spans and ctx.mamba exist when any layer is linear.
             assert spans is not None and ctx.mamba is not None
             i = self.state_layer
             h = self.linear_attn(h, spans, ctx.mamba.conv[i], ctx.mamba.ssm[i])
+            if keep is not None:
+                h = h.index_select(0, keep)
         else:
             assert self.self_attn is not None
-            h = self.self_attn(h, rotary, batch, ctx)
-        x = x + h
-        if keep is not None:
-            x = x.index_select(0, keep)
+            h = self.self_attn(h, rotary, batch, ctx, keep)
+        x = (x if keep is None else x.index_select(0, keep)) + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -69,8 +69,11 @@ class GatedAttention(nn.Module):
         self.k_norm = ZeroCentredRMSNorm(head_dim, eps)
 
     def forward(
-        self, x: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch, ctx: ForwardContext
+        self, x: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch, ctx: ForwardContext,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """With ``keep`` (token indices), every token's K/V is stored and only those tokens are
+        attended, gated, projected and returned."""
         t = x.shape[0]
         # q_proj is laid out per head as [query (D) | gate (D)].
         q, gate = torch.chunk(self.q_proj(x).view(t, self.hq, 2 * self.d), 2, dim=-1)
@@ -83,6 +86,7 @@ class GatedAttention(nn.Module):
                 fused_triton.rms_norm_rope_(h, norm.weight, norm.eps, cos, sin, rotary.rotary_dim, unit_offset=True)
         else:
             q, k = rotary.apply(self.q_norm(q), cos, sin), rotary.apply(self.k_norm(k), cos, sin)
-        o = ctx.attn.forward(q, k, v, self.kv_layer, batch, self.d**-0.5)
-        o = o.to(x.dtype).reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+        o = ctx.attn.forward(q, k, v, self.kv_layer, batch, self.d**-0.5, keep)
+        gate = gate.reshape(t, -1) if keep is None else gate.reshape(t, -1).index_select(0, keep)
+        o = o.to(x.dtype).flatten(1) * torch.sigmoid(gate)
         return self.tp.all_reduce(self.o_proj(o))
