@@ -271,6 +271,10 @@ class Engine:
             kv_bytes * target_slot // slot_bytes, model.num_kv_layers, model.num_kv_heads, model.head_dim, dtype,
             device, cfg.page_size, max_bytes=kv_max * target_slot // slot_bytes, backing=backing,
         )  # fmt: skip
+        if cfg.kv_populate and device.type == "cpu":
+            start = time.perf_counter()
+            written = self.kv.populate(threads=max(1, min(8, torch.get_num_threads())))
+            log.info("KV pool: %.0f MiB written at start in %.2f s", written / 2**20, time.perf_counter() - start)
         self.req_to_token = ReqToTokenTable(cfg.max_rows, context, device)
         self.mamba: MambaPool | None = None
         spec = getattr(model, "mamba_spec", None)

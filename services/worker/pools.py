@@ -18,11 +18,12 @@ moving a byte of the live slots. ``max_slots == num_slots`` unless a larger rese
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from services.worker.batch import int64_tensor
-from services.worker.elastic import ElasticPool, ElasticPoolLayout, ResizeResult
+from services.worker.elastic import ElasticBuffer, ElasticPool, ElasticPoolLayout, ResizeResult
 from services.worker.pool_backing import BackingChoice, choose_backing, held_bytes
 
 
@@ -81,6 +82,22 @@ class KVPool:
         self._pool = ElasticPool(layout, num_slots, backing=self.backing.make)
         self.k: list[torch.Tensor] = [self._pool.view(f"k{i}") for i in range(num_layers)]
         self.v: list[torch.Tensor] = [self._pool.view(f"v{i}") for i in range(num_layers)]
+
+    def populate(self, threads: int = 1, chunk_bytes: int = 64 << 20) -> int:
+        """Write-fault every committed page of the CPU pool now (contents kept), in chunks over
+        ``threads`` threads; returns the bytes covered (0 on a device, whose memory is not faulted
+        in). What a forward would otherwise pay in its steps, page by page, until every slot has
+        been used once."""
+        jobs = [
+            (buf, start, start + chunk_bytes)
+            for buf in self._pool.backings
+            if isinstance(buf, ElasticBuffer)
+            for start in range(0, buf.committed_bytes, chunk_bytes)
+        ]
+        if threads <= 1 or len(jobs) <= 1:
+            return sum(buf.populate(a, b) for buf, a, b in jobs)
+        with ThreadPoolExecutor(threads, thread_name_prefix="kv-populate") as pool:
+            return sum(pool.map(lambda job: job[0].populate(job[1], job[2]), jobs))
 
     @staticmethod
     def slot_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -186,6 +186,7 @@ def engine_config(cfg: WorkerConfig) -> EngineConfig:
         host_state_share=cfg.host_state_share,
         packed_weights=cfg.packed_weights,
         native_linear=cfg.native_linear,
+        kv_populate=cfg.kv_populate,
         attention=cfg.attention,
         threads=cfg.threads or (len(cpu_list(cfg.cpus)) if cfg.cpus else 0),
         serial_step_mflops=cfg.serial_step_mflops,

@@ -155,6 +155,31 @@ def test_rss_drops_after_shrink() -> None:
     assert filled - after >= 0.8 * released
 
 
+def test_populate_makes_committed_pages_resident_and_keeps_their_data() -> None:
+    """``populate`` faults in the committed pages now (the reservation past them stays untouched),
+    keeps what they hold, and a later write faults nothing; a KV pool populates all its buffers,
+    split over threads."""
+    size = 96 * MIB
+    buf = ElasticBuffer(2 * size)
+    buf.grow(size // OS_PAGE_BYTES)
+    buf.tensor[:OS_PAGE_BYTES].fill_(7)
+    before = rss()
+    assert buf.populate() == size
+    assert rss() - before >= 0.9 * (size - OS_PAGE_BYTES)
+    assert rss() - before <= size + 16 * MIB  # not the uncommitted half
+    assert int(buf.tensor[:OS_PAGE_BYTES].min()) == 7 and int(buf.tensor[OS_PAGE_BYTES:size].max()) == 0
+    minflt = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[7])
+    buf.tensor[:size].fill_(1)
+    assert int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[7]) - minflt < 64
+    assert buf.populate(size, 2 * size) == 0  # nothing committed there
+    from services.worker.pools import KVPool
+
+    pool = KVPool(2, 8192, 4, 64, torch.float32)
+    before = rss()
+    assert pool.populate(threads=2, chunk_bytes=1 * MIB) == 2 * 2 * 8192 * 4 * 64 * 4
+    assert rss() - before >= 0.9 * 32 * MIB
+
+
 def test_repeated_cycles_keep_rss_bounded() -> None:
     size = 64 * MIB
     buf = ElasticBuffer(size)
