@@ -130,7 +130,13 @@ def test_every_path_through_the_services_equals_transformers(
                 assert all(not r.error for r in replies), [r.error for r in replies]
                 return [r.ids for r in replies]
 
-            assert wave() == want  # cold, chunked, prefix hits among siblings, retractions, drafts
+            # Cold, chunked, prefix hits among siblings, retractions, drafts. Whether a wave retracts
+            # depends on how its requests' arrivals interleave with the steps (CI saw a wave that
+            # did not): up to three waves, each checked, until one has.
+            for _ in range(3):
+                assert wave() == want
+                if _metric(stack, "retractions_total") > 0:
+                    break
             assert _metric(stack, "retractions_total") > 0
             # Under the wave's memory pressure a request may never get the slots for its drafts
             # (it then decodes without them); alone, the loop drafts at its first decode once the
