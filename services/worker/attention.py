@@ -73,6 +73,10 @@ class AttentionBackend(ABC):
     thread-safe, like the engine that owns it.
     """
 
+    # Its decode forwards may be captured in CUDA graphs (services/worker/cuda_graphs.py): a plan
+    # that is empty for a batch leaves the forward depending on its tensors alone.
+    graphs_replay_decodes = False
+
     def __init__(self, kv: KVPool, req_to_token: ReqToTokenTable) -> None:
         self.kv = kv
         self.req_to_token = req_to_token
@@ -166,6 +170,8 @@ class TritonAttention(AttentionBackend):
     """The Triton kernels; with ``cascade``, a pure decode batch in which prefix groups formed runs
     the cascade decode (shared runs once per group, tails, merge), every other batch the flat
     kernels."""
+
+    graphs_replay_decodes = True
 
     def __init__(self, kv: KVPool, req_to_token: ReqToTokenTable, cascade: bool) -> None:
         super().__init__(kv, req_to_token)

@@ -76,7 +76,7 @@ from services.common.step import (
     TokenLogprob,
     WorkerInfo,
 )
-from services.worker.attention import AttentionMeta, TritonAttention, attention_backend
+from services.worker.attention import AttentionMeta, attention_backend
 from services.worker.batch import BatchInput, ForwardBatch, ForwardContext, int64_tensor
 from services.worker.cuda_graphs import DecodeGraphs, cuda_capture
 from services.worker.draft import Drafter, DraftModel
@@ -345,7 +345,7 @@ class Engine:
         """CUDA graphs for decode steps (cuda_graphs.py) where they apply: a CUDA device, the Triton
         attention backend, a model without Mamba state, one rank, ``cuda_graph_max_batch`` > 0."""
         cfg = self.cfg
-        if not (cfg.cuda_graph_max_batch and self.device.type == "cuda" and isinstance(self.attn, TritonAttention)
+        if not (cfg.cuda_graph_max_batch and self.device.type == "cuda" and self.attn.graphs_replay_decodes
                 and self.mamba is None and self.tp.size == 1):  # fmt: skip
             return None
         max_batch = min(cfg.cuda_graph_max_batch, cfg.max_rows)
