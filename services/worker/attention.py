@@ -105,10 +105,7 @@ class AttentionBackend(ABC):
         store_kv(k_cache, v_cache, batch.out_slots, k, v, padded=batch.padded)
         if keep is None:
             return self._attend(q, k, v, k_cache, v_cache, batch, scale)
-        plan = batch.attn.plan
-        if plan is not None and plan.kept is not None:
-            return run_attention(plan, q.index_select(0, keep), k, v, k_cache, v_cache, scale, kept=True)
-        return self._attend(q, k, v, k_cache, v_cache, batch, scale).index_select(0, keep)
+        return self._attend_kept(q, keep, k, v, k_cache, v_cache, batch, scale)
 
     @abstractmethod
     def _attend(
@@ -116,6 +113,13 @@ class AttentionBackend(ABC):
         batch: ForwardBatch, scale: float,
     ) -> torch.Tensor:
         """Attention of ``q`` once this step's ``k, v`` are stored in ``k_cache, v_cache``."""
+
+    def _attend_kept(
+        self, q: torch.Tensor, keep: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, batch: ForwardBatch, scale: float,
+    ) -> torch.Tensor:
+        """``_attend``'s rows ``keep`` alone; here every row is attended, then those are taken."""
+        return self._attend(q, k, v, k_cache, v_cache, batch, scale).index_select(0, keep)
 
 
 class ReferenceAttention(AttentionBackend):
@@ -164,6 +168,17 @@ class CpuAttention(AttentionBackend):
         plan = batch.attn.plan
         assert plan is not None, "a batch for the CPU backend is built with its plan"
         return run_attention(plan, q, k, v, k_cache, v_cache, scale)
+
+    def _attend_kept(
+        self, q: torch.Tensor, keep: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, batch: ForwardBatch, scale: float,
+    ) -> torch.Tensor:
+        """The native kernel's pass planned for the kept rows alone (``AttentionPlan.kept``) where
+        ``prepare`` made one, else the default."""
+        plan = batch.attn.plan
+        if plan is not None and plan.kept is not None:
+            return run_attention(plan, q.index_select(0, keep), k, v, k_cache, v_cache, scale, kept=True)
+        return super()._attend_kept(q, keep, k, v, k_cache, v_cache, batch, scale)
 
 
 class TritonAttention(AttentionBackend):
