@@ -111,6 +111,10 @@ class AttentionPlan:
     num_kept: int = 0
 
 
+def _i64(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
 def _as_slots(slots: torch.Tensor) -> Slots:
     n = slots.numel()
     if n == 0:
@@ -177,12 +181,9 @@ def plan_attention(
         ptr = [0]
         for seg in segments:
             ptr.append(ptr[-1] + len(seg[2]))
-
-        def t(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64)
-
-        paged = PagedSegments(req_to_token, t([seg[0] for seg in segments]), t([seg[1] for seg in segments]), t(ptr),
-                              t([tok for seg in segments for tok in seg[2]]), t([seg[3] for seg in segments]))
+        paged = PagedSegments(req_to_token, _i64([seg[0] for seg in segments]), _i64([seg[1] for seg in segments]),
+                              _i64(ptr), _i64([tok for seg in segments for tok in seg[2]]),
+                              _i64([seg[3] for seg in segments]))
         kept, num_kept = None, 0
         if native_extend and logit_rows is not None:
             kept, num_kept = _kept_segments(req_to_token, segments, cu, logit_rows), sum(logit_rows)
@@ -221,11 +222,7 @@ def _kept_segments(
         tokens += mine
         ptr.append(len(tokens))
         causal.append(base + len(readers) - len(mine) if base >= 0 else -1)
-
-    def t(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64)
-
-    return PagedSegments(req_to_token, t(starts), t(ends), t(ptr), t(tokens), t(causal))
+    return PagedSegments(req_to_token, _i64(starts), _i64(ends), _i64(ptr), _i64(tokens), _i64(causal))
 
 
 def _extend_passes(

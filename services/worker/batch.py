@@ -96,6 +96,12 @@ class ForwardBatch:
         return len(self.extend_lens_list)
 
     @property
+    def keep(self) -> torch.Tensor | None:
+        """``logit_index`` where it names fewer than every token (the rows a model's last layer runs
+        past its K/V, ``keep``), else ``None``: every row goes on."""
+        return self.logit_index if len(self.logit_index) < self.num_tokens else None
+
+    @property
     def is_decode(self) -> bool:
         """True when every request contributes exactly one token (a pure decode batch)."""
         return all(n == 1 for n in self.extend_lens_list)
@@ -137,7 +143,7 @@ class ForwardBatch:
             logit_index = [e - 1 for e, w in zip(cu[1:], want, strict=True) if w]
         else:
             logit_index = [i for e, w in zip(cu[1:], want, strict=True) for i in range(e - w, e)]
-        # The models' last layer asks attention for the logit rows alone (``keep``) when they are fewer.
+        # The models' last layer asks attention for the logit rows alone when they are fewer (``keep``).
         logit_rows = None if len(logit_index) == cu[-1] else [int(w) for w in want]
 
         def t(values: list[int]) -> torch.Tensor:

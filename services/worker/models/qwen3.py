@@ -172,7 +172,7 @@ class DenseModel(nn.Module):
         cos, sin = self.rotary.cos_sin(batch.positions)
         layers = cast(list[DenseDecoderLayer], list(self.layers))
         x = layers[0].input_layernorm(h)
-        keep = batch.logit_index if len(batch.logit_index) < batch.num_tokens else None
+        keep = batch.keep
         for i, layer in enumerate(layers):
             if i + 1 < len(layers):  # the residual add and the next layer's norm in one pass
                 m, a = layer(x, h, cos, sin, batch, ctx)

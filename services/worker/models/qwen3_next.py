@@ -236,9 +236,9 @@ class Qwen3NextForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         # Past the last layer's mixer only the logit rows go on (``DenseModel.forward`` says why).
-        if len(batch.logit_index) < batch.num_tokens:
-            return self.lm_head(self.model.norm(self._layers(batch, ctx, batch.logit_index)))
-        return self.lm_head(self.model.norm(self._layers(batch, ctx)[batch.logit_index]))
+        keep = batch.keep
+        x = self._layers(batch, ctx, keep)
+        return self.lm_head(self.model.norm(x if keep is not None else x[batch.logit_index]))
 
     @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:

@@ -87,6 +87,8 @@ class GatedAttention(nn.Module):
         else:
             q, k = rotary.apply(self.q_norm(q), cos, sin), rotary.apply(self.k_norm(k), cos, sin)
         o = ctx.attn.forward(q, k, v, self.kv_layer, batch, self.d**-0.5, keep)
-        gate = gate.reshape(t, -1) if keep is None else gate.reshape(t, -1).index_select(0, keep)
+        gate = gate.reshape(t, -1)
+        if keep is not None:
+            gate = gate.index_select(0, keep)
         o = o.to(x.dtype).flatten(1) * torch.sigmoid(gate)
         return self.tp.all_reduce(self.o_proj(o))
