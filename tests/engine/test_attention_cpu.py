@@ -275,12 +275,16 @@ def test_native_segments_read_by_several_tokens(hq: int, hkv: int, d: int) -> No
                             torch.tensor([tokens]), 0.3, out, lse)
 
 
-@pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 4, 64), (16, 8, 128), (4, 4, 24)])
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d"), [(8, 4, 64), (16, 8, 128), (4, 4, 24), (6, 2, 16), (8, 4, 48), (4, 2, 80), (96, 1, 32)]
+)
 def test_native_causal_segments(hq: int, hkv: int, d: int) -> None:
     """Prefill chunks as causal segments: the j-th new token reads the cached prefix and the new
     tokens up to itself. Lengths around the kernel's chunk and token-block edges, one segment long
     enough that its items span several chunks (merged online), a one-token tail block, a chunk of
-    one token: each equals an fp64 softmax over exactly what it may read."""
+    one token; head sizes that leave 1-4 vectors of a value row to the last column tile, and query
+    groups of 3 and 96 rows (tiles of rows cut short): each equals an fp64 softmax over exactly
+    what it may read."""
     if native.load() is None:
         pytest.skip("no C compiler here")
     g = torch.Generator().manual_seed(d)
