@@ -145,10 +145,12 @@ bench-hicache: install $(BENCH_MODEL)/config.json
 
 # Prefill/decode disaggregation (issue #31): decode ITL under long prompts, PD (1 + 1) through the
 # kvstore and directly (outbox) vs two co-located replicas, alternated (~12 min on 2 cores); writes
-# docs/bench/pd.json. PD_PIN="0;1" gives each replica's worker a core of its own (docs/bench/pd_pinned.json).
+# docs/bench/pd.json. PD_PIN="0;1" gives each replica's worker a core of its own (docs/bench/pd_pinned.json);
+# PD_THREADS="0;1" the decode replica's worker one forward thread, unpinned (docs/bench/pd_threads.json).
 PD_PIN ?=
+PD_THREADS ?=
 bench-pd: install $(BENCH_MODEL)/config.json
-	$(BIN)/python -m benchmarks.pd --model $(BENCH_MODEL) $(if $(PD_PIN),--pin "$(PD_PIN)" --out docs/bench/pd_pinned.json,--out docs/bench/pd.json)
+	$(BIN)/python -m benchmarks.pd --model $(BENCH_MODEL) $(if $(PD_PIN),--pin "$(PD_PIN)" --out docs/bench/pd_pinned.json,$(if $(PD_THREADS),--threads "$(PD_THREADS)" --out docs/bench/pd_threads.json,--out docs/bench/pd.json))
 
 # Attention paths (reference, flat, cascade; gathered or native) on the bench model's shapes against
 # the floor measured in the same run (~1 min); prints a table.

@@ -27,7 +27,9 @@ process's CPU.
 On a 2-core machine both replicas share the same cores in both configurations: what PD can
 separate is the step (a decode step never waits for a prefill chunk), not the processors, unless
 ``--pin`` gives each replica's worker cores of its own (the workers' ``--cpus``: one core each on
-2 cores, as a device each would on a GPU host; the other services are not pinned).
+2 cores, as a device each would on a GPU host; the other services are not pinned). ``--threads``
+sets each replica's forward threads instead (``strata up --worker-threads``; "0;1": replica 1, the
+decode one with PD, on one thread, replica 0 on every core), the same list in every configuration.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class Config:
     host_cache_bytes: str = "1GiB"
     max_prefill_tokens: int = 2048
     pin: str = ""  # "0;1": replica 0's worker (PD: the prefill one) on CPU 0, replica 1's on CPU 1
+    threads: str = ""  # "0;1": replica 0's worker on every core (0), replica 1's (PD: the decode one) on one thread
     device: str = "cpu"  # the workers' --device: on a lent GPU machine both share the one GPU
 
 
@@ -112,6 +115,8 @@ def _stack(cfg: Config, name: str, run_dir: Path) -> Stack:
     scheduler = ("--max-prefill-tokens", str(cfg.max_prefill_tokens))
     roles = ("prefill", "decode") if name.startswith("pd") else ()
     own: list[tuple[str, ...]] = [("--cpus", c) for c in cfg.pin.split(";")] if cfg.pin else [(), ()]
+    for i, t in enumerate(cfg.threads.split(";") if cfg.threads else ()):
+        own[i] += ("--threads", t)
     if name == "pd-direct":  # replica 0 prefills
         own[0] += ("--outbox-bytes", cfg.host_cache_bytes)
     return start_stack(cfg.model, free_port(), run_dir / name, worker_args=worker, scheduler_args=scheduler,
@@ -258,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-cache-bytes", default=d.host_cache_bytes)
     p.add_argument("--pin", default="", help="each replica's worker on CPUs of its own, as the worker's --cpus "
                    "lists separated by ';' (replica 0 first: the prefill one with PD), e.g. '0;1'; default: not pinned")
+    p.add_argument("--threads", default="", help="each replica's worker's forward threads, ';'-separated (replica 0 "
+                   "first), e.g. '0;1' (0: one per core); default: every worker one per core")
     p.add_argument("--only", choices=CONFIGS, default=None, help="one configuration")
     p.add_argument("--out", type=Path, default=None, help="write the runs as JSON here")
     p.add_argument("--run-dir", type=Path, default=None, help="the services' logs (default: a temporary folder)")
@@ -265,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     cfg = Config(a.model, a.streams, a.short_len, a.stream_tokens, a.long_len, a.long_tokens, a.interval_s,
                  a.phase_s, a.repeats, a.kv_cache_bytes, a.host_cache_bytes, a.max_prefill_tokens, a.pin,
-                 a.device)  # fmt: skip
+                 a.threads, a.device)  # fmt: skip
     run_dir = a.run_dir or Path(tempfile.mkdtemp(prefix="strata-pd-"))
     names = [a.only] if a.only else list(CONFIGS)
     runs: list[Run] = []

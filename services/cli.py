@@ -66,10 +66,14 @@ def _stack_args(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
 
 
 def _replica_worker_args(args: argparse.Namespace, roles: tuple[str, ...]) -> list[tuple[str, ...]]:
-    """Each replica's own worker flags: its CPUs (``--worker-cpus``), a prefill worker's outbox."""
+    """Each replica's own worker flags: its CPUs (``--worker-cpus``), its forward threads
+    (``--worker-threads``), a prefill worker's outbox."""
     n = len(roles) or args.replicas
     cpus = args.worker_cpus.split(";") if args.worker_cpus else []
+    threads = args.worker_threads.split(";") if args.worker_threads else []
     own: list[tuple[str, ...]] = [("--cpus", cpus[i]) if cpus else () for i in range(n)]
+    for i, t in enumerate(threads):
+        own[i] += ("--threads", t.strip())
     for i, role in enumerate(roles):
         if role == "prefill" and args.handoff_outbox_bytes:
             own[i] += ("--outbox-bytes", args.handoff_outbox_bytes)
@@ -105,6 +109,12 @@ def _up(args: argparse.Namespace) -> int:
         print(f"strata up: --worker-cpus needs one CPU list per replica ({replicas}), separated by ';'",
               file=sys.stderr)  # fmt: skip
         return 2
+    if args.worker_threads:
+        threads = args.worker_threads.split(";")
+        if len(threads) != replicas or not all(t.strip().isdigit() for t in threads):
+            print(f"strata up: --worker-threads needs one thread count (0: one per core) per replica ({replicas}), "
+                  f"separated by ';', got {args.worker_threads!r}", file=sys.stderr)  # fmt: skip
+            return 2
     if args.tp is not None and args.tp < 1:
         print(f"strata up: --tp must be at least 1, got {args.tp}", file=sys.stderr)
         return 2
@@ -266,6 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--worker-cpus", default="",
                     help="each replica's worker on CPUs of its own: one list per replica, separated by ';' "
                          "(e.g. '0-7;8-15'; the worker's --cpus); default: not pinned")
+    up.add_argument("--worker-threads", default="",
+                    help="each replica's forward threads: one count per replica, separated by ';' (e.g. '0;1': "
+                         "0 is one per core; the worker's --threads). Workers that share a CPU host's cores "
+                         "without --worker-cpus each take every core; a decode worker on fewer threads keeps "
+                         "its steps short beside a prefill worker's long ones")
     up.add_argument("--tool-call-parser", default="", choices=["", "hermes", "qwen3_coder"],
                     help="how the model writes tool calls (default hermes: Qwen3's <tool_call>{json}</tool_call>)")
     up.add_argument("--reasoning-parser", default="", choices=["", "none", "qwen3"],

@@ -1,5 +1,6 @@
-"""``strata up``'s per-replica worker flags: each replica's CPUs (``--worker-cpus``) and the prefill
-workers' outbox (``--handoff-outbox-bytes``), and the combinations it refuses before starting."""
+"""``strata up``'s per-replica worker flags: each replica's CPUs (``--worker-cpus``), its forward
+threads (``--worker-threads``) and the prefill workers' outbox (``--handoff-outbox-bytes``), and the
+combinations it refuses before starting."""
 
 from __future__ import annotations
 
@@ -25,11 +26,23 @@ def test_each_replica_gets_its_cpus_and_only_prefill_workers_an_outbox() -> None
     assert _replica_worker_args(_args("--replicas", "2"), ()) == [(), ()]
 
 
+def test_each_replica_gets_its_thread_count() -> None:
+    a = _args("--prefill-replicas", "1", "--decode-replicas", "1", "--worker-threads", "0;1",
+              "--handoff-outbox-bytes", "1GiB")  # fmt: skip
+    assert _replica_worker_args(a, ("prefill", "decode")) == [
+        ("--threads", "0", "--outbox-bytes", "1GiB"), ("--threads", "1"),
+    ]  # fmt: skip
+    both = _args("--replicas", "2", "--worker-cpus", "0;1", "--worker-threads", "1;1")
+    assert _replica_worker_args(both, ()) == [("--cpus", "0", "--threads", "1"), ("--cpus", "1", "--threads", "1")]
+
+
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
         (("--replicas", "2", "--worker-cpus", "0"), "--worker-cpus needs one CPU list per replica (2)"),
         (("--handoff-outbox-bytes", "1GiB"), "--handoff-outbox-bytes is for --prefill-replicas"),
+        (("--replicas", "2", "--worker-threads", "1"), "--worker-threads needs one thread count"),
+        (("--worker-threads", "two"), "--worker-threads needs one thread count"),
     ],
 )
 def test_refused_before_anything_starts(
