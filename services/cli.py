@@ -80,6 +80,18 @@ def _replica_worker_args(args: argparse.Namespace, roles: tuple[str, ...]) -> li
     return own
 
 
+def _shared_cores_note(args: argparse.Namespace, roles: tuple[str, ...]) -> str:
+    """A hint when prefill and decode workers will share this host's cores on the CPU, each taking
+    every core (no ``--worker-cpus``, no ``--worker-threads``): "" otherwise."""
+    if not roles or args.worker_cpus or args.worker_threads or (args.device or "cpu") != "cpu":
+        return ""
+    cores = len(os.sched_getaffinity(0))
+    decode = ";".join("0" if r == "prefill" else str(max(1, cores // len(roles))) for r in roles)
+    return (f"note: the {len(roles)} workers share this host's {cores} cores, each with a forward thread per "
+            f"core, so decode steps wait on prefill threads; --worker-threads '{decode}' or --worker-cpus "
+            "gives the decode workers room (docs/operations.md: Prefill and decode on separate replicas)")  # fmt: skip
+
+
 def _up(args: argparse.Namespace) -> int:
     from services import supervisor
     from services.client import ClientError, show_cache_example
@@ -144,6 +156,8 @@ def _up(args: argparse.Namespace) -> int:
         args.tls_files = make_dev_certs(run_dir / "tls", hosts)
         print(f"TLS on every hop: development CA and certificates in {run_dir / 'tls'} (clients trust ca.pem)")
     print(f"starting Strata for {model} (logs in {run_dir})")
+    if note := _shared_cores_note(args, roles):
+        print(note, file=sys.stderr)
     a = _stack_args(args)
     try:
         stack = supervisor.start_stack(

@@ -5,11 +5,12 @@ combinations it refuses before starting."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import pytest
 
-from services.cli import _replica_worker_args, _up, build_parser
+from services.cli import _replica_worker_args, _shared_cores_note, _up, build_parser
 
 
 def _args(*argv: str, model: str = "m") -> argparse.Namespace:
@@ -34,6 +35,17 @@ def test_each_replica_gets_its_thread_count() -> None:
     ]  # fmt: skip
     both = _args("--replicas", "2", "--worker-cpus", "0;1", "--worker-threads", "1;1")
     assert _replica_worker_args(both, ()) == [("--cpus", "0", "--threads", "1"), ("--cpus", "1", "--threads", "1")]
+
+
+def test_prefill_and_decode_sharing_cpu_cores_get_a_hint() -> None:
+    roles = ("prefill", "decode")
+    pd = ("--prefill-replicas", "1", "--decode-replicas", "1")
+    cores = len(os.sched_getaffinity(0))
+    note = _shared_cores_note(_args(*pd), roles)
+    assert f"share this host's {cores} cores" in note and f"--worker-threads '0;{max(1, cores // 2)}'" in note
+    for given in (("--worker-threads", "0;1"), ("--worker-cpus", "0;0"), ("--device", "cuda:0")):
+        assert _shared_cores_note(_args(*pd, *given), roles) == ""
+    assert _shared_cores_note(_args("--replicas", "2"), ()) == ""
 
 
 @pytest.mark.parametrize(
