@@ -17,6 +17,10 @@ what drafting costs where it does not pay). Each serves three workloads at batch
   this measures what drafting costs when its drafts fail;
 - **random**: random token prompts (little to look up).
 
+``--draft-model DIR`` adds a **draft** side (``--speculative-algorithm draft`` with that checkpoint,
+the defaults otherwise); ``python -m benchmarks.draft_pair`` writes a target / draft pair whose
+agreement is set by construction (``make bench-spec-draft``). ``--sides`` runs a subset.
+
 Per run: TPOT (the time per output token after the first, per request: what a streaming user
 sees; ITL percentiles mislead here, tokens arrive in bursts), output tokens/s, the acceptance
 (drafts kept / drafts sent, from the scheduler's metrics) and CPU per output token of the worker
@@ -57,6 +61,7 @@ SIDES = {
         "--speculative-adaptive", "false",
     ),
 }
+DRAFT_SIDE = ("--speculative-algorithm", "draft")  # with the workers' --speculative-draft-model (--draft-model)
 BATCHES = (1, 8, 64)
 WORKLOADS = ("loop", "edit", "random")
 LOOP_PERIODS = (1, 2, 4, 8)
@@ -72,6 +77,7 @@ class Config:
     out: Path | None = None
     device: str = "cpu"  # the workers' --device (cuda on a lent GPU machine)
     workloads: tuple[str, ...] = WORKLOADS
+    sides: tuple[str, ...] = tuple(SIDES)  # and "draft" with --draft-model
 
 
 @dataclass(slots=True)
@@ -169,9 +175,10 @@ def table(runs: list[Run]) -> str:
         "worker µs/token | scheduler µs/token |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    sides = [side for side in (*SIDES, "draft") if any(r.side == side for r in runs)]
     for kind in WORKLOADS:
         for batch in sorted({r.batch for r in runs}):
-            for side in SIDES:
+            for side in sides:
                 rs = [r for r in runs if r.workload == kind and r.batch == batch and r.side == side]
                 if not rs:
                     continue
@@ -200,7 +207,7 @@ async def bench(cfg: Config, stacks: dict[str, Any]) -> list[Run]:
     for rep in range(cfg.repeats):
         for kind in cfg.workloads:
             for batch in cfg.batches:
-                sides = list(SIDES) if rep % 2 == 0 else list(reversed(SIDES))  # alternate who goes first
+                sides = list(cfg.sides) if rep % 2 == 0 else list(reversed(cfg.sides))  # alternate who goes first
                 for side in sides:
                     r = await measure(side, kind, batch, rep, cfg, vocab, backends[side], meters[side], metrics[side])
                     runs.append(r)
@@ -220,12 +227,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="write the runs as JSON here")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of " + ", ".join(WORKLOADS))
     p.add_argument("--device", default="cpu", help="the workers' --device (cpu, cuda)")
+    p.add_argument("--draft-model", type=Path, default=None,
+                   help="add a 'draft' side: --speculative-algorithm draft with this draft checkpoint "
+                        "(python -m benchmarks.draft_pair writes a pair)")  # fmt: skip
+    p.add_argument("--sides", default="", help="comma-separated, of off, on, forced (and draft with --draft-model); "
+                   "default: all of them")
     a = p.parse_args(argv)
     kinds = tuple(a.workloads.split(","))
     if bad := [k for k in kinds if k not in WORKLOADS]:
         p.error(f"--workloads: unknown {', '.join(bad)} (known: {', '.join(WORKLOADS)})")
+    known = (*SIDES, "draft") if a.draft_model else tuple(SIDES)
+    sides = tuple(a.sides.split(",")) if a.sides else known
+    if bad := [x for x in sides if x not in known]:
+        p.error(f"--sides: unknown {', '.join(bad)} (known: {', '.join(known)})")
+    if "off" not in sides:
+        p.error("--sides: 'off' is what every speed-up is measured against")
     cfg = Config(a.model, a.output_len, a.prompt_len, a.repeats, tuple(int(b) for b in a.batches.split(",")), a.out,
-                 a.device, kinds)
+                 a.device, kinds, sides)
 
     from services.common.etcd_proc import free_port
     from services.supervisor import start_stack
@@ -236,12 +254,14 @@ def main(argv: list[str] | None = None) -> int:
     stacks: dict[str, Any] = {}
     t0 = time.perf_counter()
     try:
-        for side, args in SIDES.items():
+        for side in cfg.sides:
+            args = DRAFT_SIDE if side == "draft" else SIDES[side]
+            draft = ("--speculative-draft-model", str(a.draft_model)) if side == "draft" else ()
             print(f"starting the '{side}' stack", flush=True)
             stacks[side] = start_stack(
                 cfg.model, free_port(), run_dir / side,
                 worker_args=("--max-rows", str(rows), "--kv-cache-bytes", str(kv), "--host-cache-bytes", "0",
-                             "--device", cfg.device),
+                             "--device", cfg.device, *draft),
                 scheduler_args=("--metrics-port", "0", "--max-running", str(rows), *args),
                 say=lambda line: print("  " + line, flush=True),
             )  # fmt: skip

@@ -115,8 +115,8 @@ class DraftModel:
         """Mirror the step's inputs ``inp`` through the draft model and write the drafts of the
         requests with ``worker_drafts`` into their ``input_ids`` (after the first id)."""
         drafting = [i for i, r in enumerate(reqs) if r.worker_drafts]
-        if not drafting:
-            self._forward(inp)
+        if not drafting:  # the draft KV alone: no logits, so its last layer stops at K and V
+            self._forward(BatchInput(inp.rows, inp.start_pos, inp.input_ids, inp.out_slots, None, [0] * len(reqs)))
             return
         first = set(drafting)
         # The mirror: drafting requests contribute their input token only, with its logits.

@@ -14,6 +14,7 @@ from services.common.step import ReqInput, StepError, StepRequest
 from services.scheduler.loop import LoopConfig, SchedulerLoop
 from services.scheduler.speculative import SpecConfig
 from services.worker.config import WorkerConfig
+from services.worker.draft import DraftModel
 from tests import sched_harness as h
 from tests.reference import hf_greedy
 
@@ -50,6 +51,30 @@ def test_the_model_as_its_own_draft_keeps_nearly_every_draft(tiny_qwen3: Path, o
     c = loop.batcher.spec.counters
     assert c.verify_steps > 0 and c.accepted_tokens >= 0.9 * c.draft_tokens, c
     _books(loop)
+
+
+def test_a_step_without_drafts_keeps_the_draft_kv_without_its_logits(tiny_qwen3: Path) -> None:
+    """Where no request drafts (prefill, or drafting paused for the batch size), the mirror asks the
+    draft model for no logits: its last layer stops at K and V, and its LM head does not run. The
+    next step's drafts still read that KV (the model as its own draft keeps them)."""
+    eng = _engine(tiny_qwen3, tiny_qwen3)
+    assert isinstance(eng.draft, DraftModel)
+    rows: list[int] = []
+    forward = eng.draft.model.forward
+
+    def counted(batch, ctx):  # type: ignore[no-untyped-def]
+        rows.append(int(batch.logit_index.numel()))
+        return forward(batch, ctx)
+
+    eng.draft.model.forward = counted  # type: ignore[method-assign]
+    prompt = [5, 9, 13, 17, 21, 25, 29, 33]
+    out = eng.step(StepRequest(1, reqs=[ReqInput("r", 0, prompt, 0, list(range(8)))]))
+    assert rows == [0]  # the prefill's mirror: KV only
+    first = out.outputs[0].token_id
+    eng.step(StepRequest(2, reqs=[ReqInput("r", 0, [first, 0, 0], 8, [8, 9, 10], num_draft=2, worker_drafts=True)]))
+    assert rows[1] == 1  # the drafting step's mirror: the input token's logits (the first draft)
+    want = hf_greedy(tiny_qwen3, prompt, 4, stop_at_eos=False)
+    assert first == want[0]
 
 
 def test_a_dense_draft_for_a_hybrid_target(tiny_qwen3: Path, tiny_qwen3_next: Path) -> None:
