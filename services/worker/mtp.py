@@ -167,11 +167,11 @@ class MtpDrafter:
 
     def _forward(self, e: _Entries, want: int) -> tuple[list[int], torch.Tensor]:
         """Run the head over ``e``; the greedy token of each request's last entry (``want`` 1) and
-        the head's output ``[T, H]``."""
+        the head's output of those entries ``[R, H]`` (``want`` 0: K/V written, no rows)."""
         inp = BatchInput(e.rows, e.start, e.ids, e.slots, None, [want] * len(e.rows))
         batch = ForwardBatch.build(inp, self.device, self.pool.attn)
         g = self.head(batch, self.pool.ctx, e.hidden)
         if not want:
             return [], g
-        tokens = self.head.logits(g[batch.logit_index]).argmax(dim=-1)
+        tokens = self.head.logits(g if batch.keep is not None else g[batch.logit_index]).argmax(dim=-1)
         return cast(list[int], tokens.tolist()), g

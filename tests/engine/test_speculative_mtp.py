@@ -148,6 +148,24 @@ def test_head_kv_follows_every_kept_position(tiny_qwen3_next: Path) -> None:
     assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (got - ref).abs().max()
 
 
+def test_the_heads_upkeep_writes_kv_without_its_moe(tiny_qwen3_next: Path) -> None:
+    """A step where nobody drafts still writes the head's K/V for its kept positions (the test
+    above checks it against one prefill), but runs the head's attention output and MoE on no row;
+    a drafting step runs them on its drafting rows."""
+    eng = _engine(tiny_qwen3_next)
+    assert isinstance(eng.draft, MtpDrafter)
+    rows: list[int] = []
+    eng.draft.head.layers[0].mlp.register_forward_pre_hook(lambda _m, args: rows.append(int(args[0].shape[0])))
+    prompt = _prompts(700, seed=9, n=1)[0][:12]
+    (t,) = [o.token_id for o in eng.step(StepRequest(1, reqs=[ReqInput("r", 0, prompt, 0, list(range(12)),
+                                                                       mamba_slot=0)])).outputs]  # fmt: skip
+    (t,) = [o.token_id for o in eng.step(StepRequest(2, reqs=[ReqInput("r", 0, [t], 12, [12], mamba_slot=0)])).outputs]
+    assert rows == [0, 0]  # the prefill's and the decode's upkeep: K/V only
+    eng.step(StepRequest(3, reqs=[ReqInput("r", 0, [t, 0, 0], 13, [13, 14, 15], mamba_slot=0, num_draft=2,
+                                           worker_drafts=True)]))  # fmt: skip
+    assert rows[2:4] == [1, 1]  # two drafts, one head pass each, on the drafting row
+
+
 def test_mtp_needs_a_qwen3_next_checkpoint_with_the_head(
     tiny_qwen3: Path, tiny_qwen3_next: Path, tmp_path: Path
 ) -> None:
@@ -234,7 +252,7 @@ def test_head_logits_equal_transformers_layers(tiny_qwen3_next: Path) -> None:
         inp = eng._batch_input([ReqInput("r", 0, ids, 0, list(range(n)), mamba_slot=0, sample=False)])
         model: Any = eng.model
         _, hidden = model.forward_hidden(ForwardBatch.build(inp, eng.device, eng.attn), eng._ctx)
-        entries = BatchInput([0], [0], [ids[1:]], [list(range(n - 1))], None, [0])
+        entries = BatchInput([0], [0], [ids[1:]], [list(range(n - 1))], None, [n - 1])  # every row's output
         g = d.head(ForwardBatch.build(entries, eng.device, d.pool.attn), d.pool.ctx, hidden[:-1])
         got = d.head.logits(g).cpu()
     # The hybrid's fp32 bar on a GPU is 2e-4 (test_engine_device.py: Triton kernels round otherwise

@@ -79,7 +79,9 @@ class Qwen3NextMtp(nn.Module):
     ``batch.positions`` the positions ``p``, ``hidden [T, H]`` the hidden states at ``p`` (the
     target's after its final norm, or this head's own output when chaining). Stores K/V of its
     one attention layer at ``batch.out_slots`` in ``ctx.attn``'s pool (layer 0) and returns its
-    normed output ``[T, H]``; ``logits(g)`` applies the shared LM head.
+    normed output for the rows ``batch.keep`` names (every row when it is None; none when the
+    batch wants no logits: an upkeep pass that only writes K/V runs no attention or MoE);
+    ``logits(g)`` applies the shared LM head.
     """
 
     def __init__(self, hf_config: dict[str, Any], target: Qwen3NextForCausalLM) -> None:
@@ -103,7 +105,7 @@ class Qwen3NextMtp(nn.Module):
         e = self.pre_fc_norm_embedding(embed(batch.input_ids))
         x = self.fc(torch.cat((e, self.pre_fc_norm_hidden(hidden).to(e.dtype)), dim=-1))
         for layer in self.layers:
-            x = layer(x, rotary, None, batch, ctx)
+            x = layer(x, rotary, None, batch, ctx, batch.keep)
         out: torch.Tensor = self.norm(x)
         return out
 
