@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import shutil
 import sys
 from pathlib import Path
@@ -108,9 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def agreement(target: Path, draft: Path, prompts: int, seed: int = 0) -> float:
     """How often the draft's argmax equals the target's along the target's own greedy continuations."""
-    import random
-
-    import transformers
+    import transformers  # heavy: only when checking
 
     t = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     d = transformers.AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()

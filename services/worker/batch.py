@@ -98,7 +98,8 @@ class ForwardBatch:
     @property
     def keep(self) -> torch.Tensor | None:
         """``logit_index`` where it names fewer than every token (the rows a model's last layer runs
-        past its K/V, ``keep``), else ``None``: every row goes on."""
+        past its K/V, ``keep``), else ``None``: every row goes on, and ``logit_index`` is every
+        token in order, so a model's last rows are its logit rows either way."""
         return self.logit_index if len(self.logit_index) < self.num_tokens else None
 
     @property

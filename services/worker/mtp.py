@@ -173,5 +173,5 @@ class MtpDrafter:
         g = self.head(batch, self.pool.ctx, e.hidden)
         if not want:
             return [], g
-        tokens = self.head.logits(g if batch.keep is not None else g[batch.logit_index]).argmax(dim=-1)
+        tokens = self.head.logits(g).argmax(dim=-1)  # g's rows are the logit rows (ForwardBatch.keep)
         return cast(list[int], tokens.tolist()), g

@@ -180,8 +180,7 @@ class DenseModel(nn.Module):
             else:
                 m, a = layer(x, h, cos, sin, batch, ctx, keep)
                 h = m.add_(a)
-        # RMSNorm is per token, so selecting first is exact and skips the other tokens' work.
-        return self.norm(h if keep is not None else h.index_select(0, batch.logit_index))
+        return self.norm(h)  # the logit rows: those kept, or every token (``ForwardBatch.keep``)
 
 
 class Qwen3ForCausalLM(nn.Module):

@@ -236,9 +236,8 @@ class Qwen3NextForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         # Past the last layer's mixer only the logit rows go on (``DenseModel.forward`` says why).
-        keep = batch.keep
-        x = self._layers(batch, ctx, keep)
-        return self.lm_head(self.model.norm(x if keep is not None else x[batch.logit_index]))
+        # The last rows are the logit rows either way (``ForwardBatch.keep``).
+        return self.lm_head(self.model.norm(self._layers(batch, ctx, batch.keep)))
 
     @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
