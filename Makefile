@@ -14,7 +14,7 @@ PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := strata/.generated
 PORT ?= 50051
 
-.PHONY: chaos chaos-long-lived chaos-short fuzz native bench-attention gpu-check gpu-wheels run bytecode test test-unit test-engine test-services test-all soak bench bench-servers bench-vllm bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas bench-tp bench-overhead bench-spec bench-spec-draft bench-pd bench-clients eval soak-hicache soak-text compose-certs lint protos install system-deps models clean
+.PHONY: chaos chaos-long-lived chaos-short fuzz native bench-attention gpu-check gpu-wheels run bytecode test test-unit test-engine test-services test-all soak bench bench-servers bench-vllm bench-hybrid bench-elastic bench-kvstore bench-hicache bench-hicache-hybrid bench-replicas bench-tp bench-overhead bench-spec bench-spec-draft bench-spec-mtp bench-pd bench-clients eval soak-hicache soak-text compose-certs lint protos install system-deps models clean
 
 run: install models
 	$(BIN)/strata up --model $(TINY) --port $(PORT)
@@ -213,6 +213,13 @@ DRAFT_SCALE ?= 0.015
 bench-spec-draft: install $(BENCH_MODEL)/config.json
 	$(BIN)/python -m benchmarks.draft_pair --source $(BENCH_MODEL) --target models/qwen3-bench-target --draft models/qwen3-bench-draft --scale $(DRAFT_SCALE)
 	$(BIN)/python -m benchmarks.spec --model models/qwen3-bench-target --draft-model models/qwen3-bench-draft --sides off,draft --workloads random --repeats 3 --out docs/bench/spec_draft_$(DRAFT_SCALE).json
+
+# MTP speculation on a constructed Qwen3-Next (benchmarks/draft_pair.py --mtp: 16 layers whose own MTP head
+# keeps ~0.65 of its drafts at MTP_SCALE 0.002, ~0.77 at 0.001): off against mtp at batch 1, 8 and 64.
+MTP_SCALE ?= 0.002
+bench-spec-mtp: install $(BENCH_NEXT)/config.json
+	$(BIN)/python -m benchmarks.draft_pair --mtp --source $(BENCH_NEXT) --target models/qwen3-next-bench-mtp --scale $(MTP_SCALE)
+	$(BIN)/python -m benchmarks.spec --model models/qwen3-next-bench-mtp --sides off,mtp --workloads random --repeats 3 --out docs/bench/spec_mtp_$(MTP_SCALE).json
 
 bench-overhead: install $(NULL_MODEL)/config.json
 	@test -x $(BIN)/py-spy || $(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[bench]' --config-settings editable_mode=compat

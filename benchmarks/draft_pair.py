@@ -21,6 +21,19 @@ the written pair: ``python -m benchmarks.draft_pair`` prints it). Both are ordin
 checkpoints (the source's tokenizer files copied), loaded like any other. What this measures is
 the speed of the draft path (the draft's forwards, the target's verify pass, rollback) at a given
 agreement, not how well a real small model predicts a real large one.
+
+``--mtp`` writes the same kind of pair for Qwen3-Next's multi-token-prediction head
+(``make bench-spec-mtp``): one checkpoint, ``--target`` (default ``models/qwen3-next-bench-mtp``),
+whose ``--target-layers`` layers are ``--source``'s (a Qwen3-Next with an MTP head), repeated in
+order, every one with its output projections (``linear_attn.out_proj``, ``self_attn.o_proj``, the
+experts' and the shared expert's ``down_proj``) multiplied by ``--scale``, so that the target's
+next token is mostly a function of its current token's embedding. The head is given the same
+function: its ``fc`` passes the normed embedding of the token at ``p + 1`` through and drops the
+hidden state (``[I | 0]``), its decoder layer's output projections are scaled alike, and its final
+norm is the target's. At scale 0 the head's token at ``p + 2`` is the target's own (up to rounding:
+the head normalises the embedding twice), and the larger the scale the more the target's layers
+and the head's own move each away from it. transformers has no MTP head, so the agreement is what
+the spec bench measures: its acceptance column, from the scheduler's metrics.
 """
 
 from __future__ import annotations
@@ -31,6 +44,7 @@ import random
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -44,6 +58,62 @@ def _layer(name: str) -> int | None:
     return int(parts[2]) if parts[:2] == ["model", "layers"] and len(parts) > 2 else None
 
 
+# A layer's output projections: what it adds to the residual stream goes through one of these.
+OUT_PROJ = ("self_attn.o_proj.weight", "linear_attn.out_proj.weight", "down_proj.weight")
+
+
+def _scaled(name: str, w: torch.Tensor, scale: float) -> torch.Tensor:
+    return w * scale if name.endswith(OUT_PROJ) else w.clone()
+
+
+def _load(source: Path) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = {}
+    for f in sorted(source.glob("*.safetensors")):
+        weights |= load_file(str(f))
+    return weights
+
+
+def _write(source: Path, out: Path, config: dict[str, Any], files: dict[str, dict[str, torch.Tensor]]) -> None:
+    """``out`` gets ``config``, the ``files`` of tensors, and ``source``'s other files (tokenizer ...)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy2(f, out / f.name)
+    for old in out.glob("*.safetensors"):
+        old.unlink()
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name, tensors in files.items():
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / name), metadata={"format": "pt"})
+
+
+def write_mtp_target(source: Path, target: Path, target_layers: int, scale: float) -> None:
+    """A Qwen3-Next checkpoint whose MTP head agrees with it by construction (the module docstring)."""
+    from services.worker.models.qwen3_next_mtp import PREFIX, mtp_problem
+    from services.worker.tiny import MTP_FILE
+
+    if problem := mtp_problem(source):
+        raise ValueError(problem)
+    if target_layers < 1:
+        raise ValueError(f"--target-layers must be >= 1, got {target_layers}")
+    config = json.loads((source / "config.json").read_text())
+    layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
+    weights = _load(source)
+    body = {n: w for n, w in weights.items() if _layer(n) is None and not n.startswith(PREFIX)}
+    for j in range(target_layers):  # the source's layers in order, repeated, every one scaled
+        prefix = f"model.layers.{j % layers}."
+        for name, w in weights.items():
+            if name.startswith(prefix):
+                body[f"model.layers.{j}." + name[len(prefix):]] = _scaled(name, w, scale)
+    head = {n: _scaled(n, w, scale) for n, w in weights.items() if n.startswith(PREFIX)}
+    # fc(concat(e, h)): the embedding's half is the identity, the hidden state's half zero.
+    head[PREFIX + "fc.weight"] = torch.cat((torch.eye(hidden), torch.zeros(hidden, hidden)), dim=1)
+    head[PREFIX + "pre_fc_norm_embedding.weight"] = torch.zeros(hidden)  # zero-centred: a gain of 1
+    head[PREFIX + "norm.weight"] = body["model.norm.weight"].clone()  # the target's logit gain
+    kinds = [config["layer_types"][j % layers] for j in range(target_layers)]
+    config_n = {**config, "num_hidden_layers": target_layers, "layer_types": kinds}
+    _write(source, target, config_n, {"model.safetensors": body, MTP_FILE: head})
+
+
 def write_pair(source: Path, target: Path, draft: Path, draft_layers: int, target_layers: int, scale: float) -> None:
     config = json.loads((source / "config.json").read_text())
     layers = int(config["num_hidden_layers"])
@@ -55,9 +125,7 @@ def write_pair(source: Path, target: Path, draft: Path, draft_layers: int, targe
     if isinstance(config.get("layer_types"), list) and len(set(config["layer_types"])) > 1:
         kinds = sorted(set(config["layer_types"]))
         raise ValueError(f"{source}: layers of several types ({kinds}); a dense source only")
-    weights: dict[str, torch.Tensor] = {}
-    for f in sorted(source.glob("*.safetensors")):
-        weights |= load_file(str(f))
+    weights = _load(source)
     shared = {name: w for name, w in weights.items() if _layer(name) is None}
     kept = shared | {name: w for name, w in weights.items() if (i := _layer(name)) is not None and i < draft_layers}
     deep = dict(kept)
@@ -67,42 +135,46 @@ def write_pair(source: Path, target: Path, draft: Path, draft_layers: int, targe
         prefix = f"model.layers.{src}."
         for name, w in weights.items():
             if name.startswith(prefix):
-                out_proj = name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight"))
-                deep[f"model.layers.{j}." + name[len(prefix):]] = w * scale if out_proj else w.clone()
+                deep[f"model.layers.{j}." + name[len(prefix):]] = _scaled(name, w, scale)
     for out, tensors, n in ((target, deep, target_layers), (draft, kept, draft_layers)):
-        out.mkdir(parents=True, exist_ok=True)
-        for f in source.iterdir():
-            if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
-                shutil.copy2(f, out / f.name)
-        for old in out.glob("*.safetensors"):
-            old.unlink()
         if isinstance(config.get("layer_types"), list):  # one type (checked above), n of them
             config_n = {**config, "num_hidden_layers": n, "layer_types": config["layer_types"][:1] * n}
         else:
             config_n = {**config, "num_hidden_layers": n}
-        (out / "config.json").write_text(json.dumps(config_n, indent=2) + "\n")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
-                  metadata={"format": "pt"})  # fmt: skip
+        _write(source, out, config_n, {"model.safetensors": tensors})
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--source", type=Path, default=ROOT / "models" / "qwen3-bench")
-    p.add_argument("--target", type=Path, default=ROOT / "models" / "qwen3-bench-target")
+    p.add_argument("--mtp", action="store_true", help="write a Qwen3-Next target for its own MTP head instead")
+    p.add_argument("--source", type=Path, default=None,
+                   help="default: models/qwen3-bench (--mtp: models/qwen3-next-bench)")
+    p.add_argument("--target", type=Path, default=None,
+                   help="default: models/qwen3-bench-target (--mtp: models/qwen3-next-bench-mtp)")
     p.add_argument("--draft", type=Path, default=ROOT / "models" / "qwen3-bench-draft")
     p.add_argument("--draft-layers", type=int, default=1)
     p.add_argument("--target-layers", type=int, default=16)
     p.add_argument("--scale", type=float, default=0.015, help="the later layers' output projections, multiplied")
     p.add_argument("--check", type=int, default=4, help="prompts to measure the pair's greedy agreement on (0: none)")
     a = p.parse_args(argv)
+    models = ROOT / "models"
+    source = a.source or models / ("qwen3-next-bench" if a.mtp else "qwen3-bench")
+    target = a.target or models / ("qwen3-next-bench-mtp" if a.mtp else "qwen3-bench-target")
     try:
-        write_pair(a.source, a.target, a.draft, a.draft_layers, a.target_layers, a.scale)
+        if a.mtp:
+            write_mtp_target(source, target, a.target_layers, a.scale)
+        else:
+            write_pair(source, target, a.draft, a.draft_layers, a.target_layers, a.scale)
     except (ValueError, OSError) as e:
         print(f"draft_pair: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {a.target} ({a.target_layers} layers) and {a.draft} (its first {a.draft_layers}), scale {a.scale}")
+    if a.mtp:
+        print(f"wrote {target} ({a.target_layers} layers and its MTP head), scale {a.scale}; its agreement is the "
+              "acceptance benchmarks.spec --sides off,mtp measures")  # fmt: skip
+        return 0
+    print(f"wrote {target} ({a.target_layers} layers) and {a.draft} (its first {a.draft_layers}), scale {a.scale}")
     if a.check:
-        print(f"the draft's greedy token is the target's on {agreement(a.target, a.draft, a.check):.2f} of the "
+        print(f"the draft's greedy token is the target's on {agreement(target, a.draft, a.check):.2f} of the "
               "target's greedy continuations (transformers, 256-token random prompts, 64 tokens each)")  # fmt: skip
     return 0
 

@@ -19,7 +19,10 @@ what drafting costs where it does not pay). Each serves three workloads at batch
 
 ``--draft-model DIR`` adds a **draft** side (``--speculative-algorithm draft`` with that checkpoint,
 the defaults otherwise); ``python -m benchmarks.draft_pair`` writes a target / draft pair whose
-agreement is set by construction (``make bench-spec-draft``). ``--sides`` runs a subset.
+agreement is set by construction (``make bench-spec-draft``). The **mtp** side drafts with the
+checkpoint's own MTP head (``--speculative-algorithm mtp``, a Qwen3-Next with ``mtp.*`` weights;
+``python -m benchmarks.draft_pair --mtp`` writes one whose head agrees by construction, ``make
+bench-spec-mtp``): asked for with ``--sides``, which runs a subset.
 
 Per run: TPOT (the time per output token after the first, per request: what a streaming user
 sees; ITL percentiles mislead here, tokens arrive in bursts), output tokens/s, the acceptance
@@ -62,6 +65,7 @@ SIDES = {
     ),
 }
 DRAFT_SIDE = ("--speculative-algorithm", "draft")  # with the workers' --speculative-draft-model (--draft-model)
+MTP_SIDE = ("--speculative-algorithm", "mtp")  # with the workers' --speculative-mtp true
 BATCHES = (1, 8, 64)
 WORKLOADS = ("loop", "edit", "random")
 LOOP_PERIODS = (1, 2, 4, 8)
@@ -175,7 +179,7 @@ def table(runs: list[Run]) -> str:
         "worker µs/token | scheduler µs/token |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    sides = [side for side in (*SIDES, "draft") if any(r.side == side for r in runs)]
+    sides = [side for side in (*SIDES, "draft", "mtp") if any(r.side == side for r in runs)]
     for kind in WORKLOADS:
         for batch in sorted({r.batch for r in runs}):
             for side in sides:
@@ -230,18 +234,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-model", type=Path, default=None,
                    help="add a 'draft' side: --speculative-algorithm draft with this draft checkpoint "
                         "(python -m benchmarks.draft_pair writes a pair)")  # fmt: skip
-    p.add_argument("--sides", default="", help="comma-separated, of off, on, forced (and draft with --draft-model); "
-                   "default: all of them")
+    p.add_argument("--sides", default="", help="comma-separated, of off, on, forced, draft (with --draft-model) and "
+                   "mtp (a checkpoint with an MTP head); default: off, on, forced, and draft with --draft-model")
     a = p.parse_args(argv)
     kinds = tuple(a.workloads.split(","))
     if bad := [k for k in kinds if k not in WORKLOADS]:
         p.error(f"--workloads: unknown {', '.join(bad)} (known: {', '.join(WORKLOADS)})")
-    known = (*SIDES, "draft") if a.draft_model else tuple(SIDES)
-    sides = tuple(a.sides.split(",")) if a.sides else known
-    if bad := [x for x in sides if x not in known]:
-        p.error(f"--sides: unknown {', '.join(bad)} (known: {', '.join(known)})")
+    default = (*SIDES, "draft") if a.draft_model else tuple(SIDES)
+    sides = tuple(a.sides.split(",")) if a.sides else default
+    if bad := [x for x in sides if x not in (*SIDES, "draft", "mtp")]:
+        p.error(f"--sides: unknown {', '.join(bad)} (known: {', '.join((*SIDES, 'draft', 'mtp'))})")
     if "off" not in sides:
         p.error("--sides: 'off' is what every speed-up is measured against")
+    if "draft" in sides and a.draft_model is None:
+        p.error("--sides: 'draft' needs --draft-model")
+    if "mtp" in sides:
+        from services.worker.models.qwen3_next_mtp import mtp_problem
+
+        if problem := mtp_problem(a.model):
+            p.error(f"--sides: 'mtp': {problem}")
     cfg = Config(a.model, a.output_len, a.prompt_len, a.repeats, tuple(int(b) for b in a.batches.split(",")), a.out,
                  a.device, kinds, sides)
 
@@ -255,8 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         for side in cfg.sides:
-            args = DRAFT_SIDE if side == "draft" else SIDES[side]
-            draft = ("--speculative-draft-model", str(a.draft_model)) if side == "draft" else ()
+            args = {"draft": DRAFT_SIDE, "mtp": MTP_SIDE}.get(side) or SIDES[side]
+            draft = {"draft": ("--speculative-draft-model", str(a.draft_model)),
+                     "mtp": ("--speculative-mtp", "true")}.get(side, ())  # fmt: skip
             print(f"starting the '{side}' stack", flush=True)
             stacks[side] = start_stack(
                 cfg.model, free_port(), run_dir / side,
