@@ -53,11 +53,24 @@ class SparseMoe(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
 
-        out = torch.zeros_like(x)
-        # Loop over the experts that received tokens (not over tokens): few large matmuls.
-        for e in torch.unique(chosen).tolist():
-            tok, which = torch.where(chosen == e)
-            y = self.experts[e](x[tok], reduce=False) * weights[tok, which, None]
-            out.index_add_(0, tok, y)
+        # The (token, choice) pairs grouped by expert once (a stable sort: within an expert, tokens
+        # in order), so each expert's rows are a slice of one gather and the loop below runs only
+        # the experts' own products: a decode step's few tokens reach few experts, and per-expert
+        # bookkeeping (a comparison, a nonzero, an index, a scatter each) would cost more than
+        # their products. Each expert sees the same rows in the same order as a per-expert
+        # selection would give it, and each token's outputs are summed in expert order.
+        pairs = chosen.flatten()
+        order = torch.argsort(pairs, stable=True)
+        counts = torch.bincount(pairs, minlength=len(self.experts)).tolist()
+        rows = order // self.top_k  # the token of each pair, grouped by expert
+        xs = x[rows]
+        ys, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                ys.append(self.experts[e](xs[start : start + n], reduce=False))
+                start += n
+        y = torch.cat(ys) if len(ys) > 1 else (ys[0] if ys else xs)  # no rows: nothing was routed
+        y = y * weights.flatten()[order, None]
+        out = torch.zeros_like(x).index_add_(0, rows, y)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, reduce=False)
         return self.tp.all_reduce(out + shared)
