@@ -267,13 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for side in cfg.sides:
             args = {"draft": DRAFT_SIDE, "mtp": MTP_SIDE}.get(side) or SIDES[side]
-            draft = {"draft": ("--speculative-draft-model", str(a.draft_model)),
-                     "mtp": ("--speculative-mtp", "true")}.get(side, ())  # fmt: skip
+            worker_side = {"draft": ("--speculative-draft-model", str(a.draft_model)),
+                           "mtp": ("--speculative-mtp", "true")}.get(side, ())  # fmt: skip
             print(f"starting the '{side}' stack", flush=True)
             stacks[side] = start_stack(
                 cfg.model, free_port(), run_dir / side,
                 worker_args=("--max-rows", str(rows), "--kv-cache-bytes", str(kv), "--host-cache-bytes", "0",
-                             "--device", cfg.device, *draft),
+                             "--device", cfg.device, *worker_side),
                 scheduler_args=("--metrics-port", "0", "--max-running", str(rows), *args),
                 say=lambda line: print("  " + line, flush=True),
             )  # fmt: skip
