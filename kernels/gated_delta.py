@@ -38,6 +38,7 @@ from kernels._checks import (
     state_index_value,
     use_triton,
 )
+from kernels.native import load
 
 # --------------------------------------------------------------------------------------------------
 # Torch references
@@ -326,7 +327,9 @@ def gated_delta_step(
         g: ``[B, Hv]`` log decay (``<= 0``); beta: ``[B, Hv]`` write strength (sigmoid output).
         state: ``[N, Hv, Dk, Dv]`` fp32 contiguous pool; rows ``state_indices`` are read and written.
         state_indices: ``[B]`` int64, distinct (two requests never share a live state).
-        impl: ``auto`` runs the Triton kernel on CUDA tensors and the torch reference otherwise.
+        impl: ``auto`` runs the Triton kernel on CUDA tensors, the native one on fp32 CPU tensors
+            (``kernels/csrc/gated_delta.c``, where the library builds) and the torch reference
+            otherwise; ``torch`` always the reference.
 
     Returns:
         ``[B, Hv, Dv]`` in q's dtype (all arithmetic in fp32).
@@ -339,7 +342,32 @@ def gated_delta_step(
     check_same_device(q=q, k=k, v=v, g=g, beta=beta, state=state, state_indices=state_indices)
     if use_triton(impl, q):
         return _step_triton(q, k, v, g, beta, state, state_indices)
+    if impl == "auto" and (out := _step_native(q, k, v, g, beta, state, state_indices)) is not None:
+        return out
     return gated_delta_step_torch(q, k, v, g, beta, state, state_indices)
+
+
+def _step_native(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    state_indices: torch.Tensor,
+) -> torch.Tensor | None:
+    """The native CPU kernel on checked inputs; None where it does not apply (not fp32 on the CPU,
+    no library, a head wider than its buffers): the caller takes the torch path."""
+    if q.device.type != "cpu" or not all(t.dtype == torch.float32 for t in (q, k, v, g, beta)):
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    out = torch.empty_like(v)
+    (b, hk, dk), (hv, dv) = q.shape, v.shape[1:]
+    rc = lib.strata_gated_delta_step_f32(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), state.data_ptr(),
+        state_indices.data_ptr(), out.data_ptr(), b, hk, hv, dk, dv, state.shape[0],
+    )  # fmt: skip
+    if rc == -2:
+        raise ValueError(f"state_indices must be in [0, {state.shape[0]}), got {state_indices.tolist()}")
+    return out if rc == 0 else None
 
 
 def gated_delta_extend(

@@ -32,7 +32,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SRCS = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "fused.c", "skinny_linear.c"))
+_SRCS = tuple(
+    Path(__file__).with_name("csrc") / name
+    for name in ("paged_decode.c", "fused.c", "skinny_linear.c", "gated_delta.c")
+)
 _COMPILE = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 _LINK = ("-shared", "-fopenmp")
 # (compile flags, link libraries), tried in order. -ffast-math lets gcc call glibc's vector expf
@@ -131,6 +134,8 @@ def load() -> ctypes.CDLL | None:
         lib.strata_skinny_linear_pays.restype = ctypes.c_int
         lib.strata_rows_linear_f32.argtypes = [ptr] * 4 + [i64] * 3
         lib.strata_rows_linear_f32.restype = ctypes.c_int
+        lib.strata_gated_delta_step_f32.argtypes = [ptr] * 8 + [i64] * 6
+        lib.strata_gated_delta_step_f32.restype = ctypes.c_int
         _lib = lib
         return lib
 
