@@ -105,6 +105,11 @@ log = logging.getLogger(__name__)
 PACKED_GAIN = 1.1  # packed_weights=auto: how much faster the packed copies must measure to be kept
 PREFILL_TIMING_ROWS = 64  # packed_weights=auto: the rows of the pass that stands for a prefill chunk
 BATCH_TIMING_ROWS = 32  # packed_weights=auto: the rows of the pass that stands for a decode batch
+# native_linear=auto: the row count each timed pass stands for. MKL's sgemm changes kernels with the
+# row count, so one count's gain does not carry to the others: on the bench model here a pass at 4
+# rows took MKL 1.4x its 3-row time and ran ~5 % faster native, while at 2-3 and at 6-8 rows the
+# native kernel was 6-16 % slower (timing only 1 and 4 rows had turned it on for 2-8).
+NATIVE_TIMED: dict[int, tuple[int, ...]] = {1: (1,), 2: (2, 3), 4: (4,), 8: (5, 6, 7, 8)}
 
 
 class Engine:
@@ -228,10 +233,9 @@ class Engine:
 
     def _choose_native_linear(self) -> None:
         """The native 8-lane kernel for decode steps of 1-8 rows (``kernels.linear.mark_native``):
-        with ``native_linear`` on, or auto for one row where a pass over the weights at one row
-        measured at least ``PACKED_GAIN`` times faster with it than as a decode step multiplies
-        without it (the packed copies where kept, else MKL), and for 2-8 rows where a pass at 4 rows
-        did. CPU and fp32 only."""
+        with ``native_linear`` on, or auto for the row counts whose timed pass over the weights
+        (``NATIVE_TIMED``) measured at least ``PACKED_GAIN`` times faster with it than as a decode
+        step multiplies without it (the packed copies where kept, else MKL). CPU and fp32 only."""
         mode = self.cfg.native_linear
         if mode == "off" or self.device.type != "cpu" or self.cfg.dtype != "float32":
             return
@@ -240,12 +244,11 @@ class Engine:
             return
         rows, how = NATIVE_ROWS, "on"
         if mode == "auto":
-            passes = {n: native_timing(model, n) for n in (1, 4)}
+            passes = {n: native_timing(model, n) for n in NATIVE_TIMED}
             how = "; ".join(
                 f"{n} row(s): without {a * 1e3:.1f} ms, with {b * 1e3:.1f} ms" for n, (a, b) in passes.items()
             )
-            faster = {n: a >= PACKED_GAIN * b for n, (a, b) in passes.items()}
-            rows = frozenset(r for r in NATIVE_ROWS if faster[1 if r == 1 else 4])
+            rows = frozenset(r for n, (a, b) in passes.items() if a >= PACKED_GAIN * b for r in NATIVE_TIMED[n])
             mark_native(model, rows)
         if rows:
             log.info("linear layers: the native kernel for decode steps of %s rows (%s)", sorted(rows), how)

@@ -333,3 +333,28 @@ def test_packed_copies_are_kept_per_step_where_they_measured_faster() -> None:
     assert packed_steps(2.0, 0.95) == {"decode"}
     assert packed_steps(1.05, 1.3) == {"prefill"}
     assert packed_steps(1.05, 1.05) == frozenset()  # no copies for 5 %: they double the weights' memory
+
+
+def test_auto_turns_the_kernel_on_at_the_row_counts_whose_own_timing_gained(
+    tiny_qwen3: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``native_linear=auto`` times passes at 1, 2, 4 and 8 rows, each standing for its neighbours
+    (``NATIVE_TIMED``, which covers 1-8 once): a gain at 4 rows alone turns on 4 rows alone (MKL's
+    4-row path is its slowest, so one count's gain does not carry to the others)."""
+    import services.worker.engine as engine_mod
+
+    assert sorted(r for rows in engine_mod.NATIVE_TIMED.values() for r in rows) == sorted(NATIVE_ROWS)
+    marked: list[frozenset[int]] = []
+    real_mark = engine_mod.mark_native
+
+    def mark(model: Any, rows: frozenset[int] = NATIVE_ROWS) -> int:
+        marked.append(frozenset(rows))
+        return real_mark(model, rows)
+
+    for gains, want in (({4}, {4}), ({2, 8}, {2, 3, 5, 6, 7, 8}), (set(), set())):
+        marked.clear()
+        monkeypatch.setattr(engine_mod, "mark_native", mark)
+        monkeypatch.setattr(engine_mod, "native_timing", lambda m, n, g=gains: (2.0, 1.0) if n in g else (1.0, 1.0))
+        monkeypatch.setattr(kernels.linear, "pays", lambda: True)
+        Engine(tiny_qwen3, EngineConfig(kv_cache_bytes=1 << 20, max_rows=4, packed_weights="off", native_linear="auto"))
+        assert marked[-1] == frozenset(want), (gains, marked)
