@@ -108,7 +108,7 @@ BATCH_TIMING_ROWS = 32  # packed_weights=auto: the rows of the pass that stands 
 # native_linear=auto: the row count each timed pass stands for. MKL's sgemm changes kernels with the
 # row count, so one count's gain does not carry to the others: on the bench model here a pass at 4
 # rows took MKL 1.4x its 3-row time and ran ~5 % faster native, while at 2-3 and at 6-8 rows the
-# native kernel was 6-16 % slower (timing only 1 and 4 rows had turned it on for 2-8).
+# native kernel was 4-20 % slower (timing only 1 and 4 rows had turned it on for 2-8).
 NATIVE_TIMED: dict[int, tuple[int, ...]] = {1: (1,), 2: (2, 3), 4: (4,), 8: (5, 6, 7, 8)}
 
 
