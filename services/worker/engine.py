@@ -87,6 +87,7 @@ from services.worker.host_ops import HostOpRunner, L3Port
 from services.worker.host_states import HostStatePool
 from services.worker.kv_budget import auto_kv_bytes
 from services.worker.loader import LoadedModel, fingerprint, load_model
+from services.worker.models.linear_attn import StateTrace
 from services.worker.models.qwen3 import DenseConfig
 from services.worker.models.registry import CausalLM
 from services.worker.pool_backing import BackingChoice, choose_backing
@@ -418,14 +419,21 @@ class Engine:
         if self.draft is None and any(r.worker_drafts for r in drafting):
             raise StepError(f"step {req.step_id}: worker_drafts is set but this worker has no draft model")
         t0 = time.perf_counter()
-        # Hybrid rows verifying drafts: their recurrent states from before the pass, to roll back.
-        saved = self.mamba.save([cast(int, r.mamba_slot) for r in drafting]) if drafting and self.mamba else None
+        # Hybrid rows verifying drafts: the pass records their states after each token, to drop the
+        # rejected ones by taking the state after the last kept token.
+        trace = StateTrace(frozenset(cast(int, r.mamba_slot) for r in drafting)) if drafting and self.mamba else None
         inp = self._batch_input(req.reqs)
         if self._threads is not None:
             self._threads.fit(inp)
         if self.draft is not None:  # its KV follows the target's; the drafts it owes are written
             self.draft.propose(req.reqs, inp)
-        logits, hidden = self._run_target(inp, all_logits=False)
+        if self.mamba is not None:
+            self.mamba.tracing = trace
+        try:
+            logits, hidden = self._run_target(inp, all_logits=False)
+        finally:
+            if self.mamba is not None:
+                self.mamba.tracing = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # so forward_s measures the forward, not the launch
         t1 = time.perf_counter()
@@ -463,8 +471,8 @@ class Engine:
                 self.tp.share_ints(_padded_samples(req.reqs, result.outputs) if drafting else
                                    [o.token_id for o in result.outputs], n)  # fmt: skip
         t3 = time.perf_counter()
-        if saved is not None:
-            self._roll_back_states(drafting, saved, kept)
+        if trace is not None:
+            self._roll_back_states(drafting, trace, kept)
         if self.draft is not None:  # the drafter catches up with the kept tokens
             self.draft.finish(req.reqs, inp, kept, hidden)
         result.forward_s, result.sample_s = t1 - t0 + time.perf_counter() - t3, t3 - t2
@@ -689,23 +697,14 @@ class Engine:
         if r.num_draft:
             self._row_len[r.row] = r.start_pos + len(kept)
 
-    def _roll_back_states(self, drafting: list[ReqInput], saved: list[torch.Tensor], kept: Counter[int]) -> None:
-        """Hybrid rows whose drafts were not all accepted (``kept``: tokens each row kept): their
-        recurrent states went through the rejected tokens, so put back the states from before the
-        pass and run the kept inputs again (the input token and the accepted drafts; their KV is
-        rewritten with the same values)."""
-        redo = [j for j, r in enumerate(drafting) if kept[r.row] < r.num_draft + 1]
-        if not redo:
-            return
+    def _roll_back_states(self, drafting: list[ReqInput], trace: StateTrace, kept: Counter[int]) -> None:
+        """Hybrid rows whose drafts were not all accepted (``kept``: tokens each row kept, >= 1):
+        their recurrent states went through the rejected tokens; each takes the state the verify
+        pass recorded after its last kept token. Their KV past it is the scheduler's to drop."""
         assert self.mamba is not None
-        self.mamba.restore([cast(int, r.mamba_slot) for r in drafting], saved, redo)
-        again = [drafting[j] for j in redo]
-        inp = BatchInput(
-            [r.row for r in again], [r.start_pos for r in again],
-            [r.input_ids[: kept[r.row]] for r in again], [r.new_slots[: kept[r.row]] for r in again],
-            [cast(int, r.mamba_slot) for r in again], [0] * len(again),
-        )  # fmt: skip
-        self._run(inp, all_logits=False)
+        for r in drafting:
+            if kept[r.row] < r.num_draft + 1:
+                self.mamba.keep_traced(trace, cast(int, r.mamba_slot), kept[r.row])
 
     def _record_samples(self, reqs: list[ReqInput], ids: list[int]) -> None:
         """Remember each sampling request's token: the next decode's input and penalty history."""

@@ -22,11 +22,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.worker.elastic import ElasticPool, ElasticPoolLayout, FieldSpec, Grouping, ResizeResult
 from services.worker.pool_backing import BackingChoice, choose_backing, held_bytes
+
+if TYPE_CHECKING:
+    from services.worker.models.linear_attn import StateTrace
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +82,7 @@ class MambaPool:
     of the requests in their batch.
     """
 
-    __slots__ = ("_pool", "backing", "conv", "device", "spec", "ssm")
+    __slots__ = ("_pool", "backing", "conv", "device", "spec", "ssm", "tracing")
 
     def __init__(self, num_slots: int, spec: MambaSpec, device: torch.device | str = "cpu", *,
                  max_slots: int | None = None, backing: BackingChoice | None = None) -> None:
@@ -90,6 +94,8 @@ class MambaPool:
             raise ValueError(f"MambaPool.max_slots ({max_slots}) must be >= num_slots ({num_slots})")
         self.spec = spec
         self.device = torch.device(device)
+        # Set by the engine around a verify pass: the slots whose per-token states it records.
+        self.tracing: StateTrace | None = None
         self.backing = backing or choose_backing(self.device)
         layout = spec.layout(max_slots, self.backing.page_bytes, grouping="field_major")
         self._pool = ElasticPool(layout, num_slots, backing=self.backing.make)
@@ -164,18 +170,16 @@ class MambaPool:
         for t in (*self.conv, *self.ssm):
             t.index_copy_(0, dst_i, t.index_select(0, src_i))
 
-    def save(self, slots: list[int]) -> list[torch.Tensor]:
-        """A copy of ``slots``' states in every layer (speculative decoding keeps the states from
-        before a verify pass, to put back where drafts are rejected); ``restore`` writes it back."""
-        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
-        return [t.index_select(0, idx) for t in (*self.conv, *self.ssm)]
-
-    def restore(self, slots: list[int], saved: list[torch.Tensor], which: list[int]) -> None:
-        """Write back entries ``which`` (indices into ``slots``) of a ``save`` of ``slots``."""
-        dst = torch.tensor([slots[i] for i in which], dtype=torch.long, device=self.device)
-        pick = torch.tensor(which, dtype=torch.long, device=self.device)
-        for t, kept in zip((*self.conv, *self.ssm), saved, strict=True):
-            t.index_copy_(0, dst, kept.index_select(0, pick))
+    def keep_traced(self, trace: StateTrace, slot: int, n: int) -> None:
+        """Set ``slot``'s state in every layer to the one after the first ``n`` (>= 1) tokens of
+        the forward ``trace`` recorded (speculative decoding: drafts after them were rejected)."""
+        records = trace.records[slot]
+        if not 1 <= n <= records[0][1].shape[0] or len(records) != len(self.ssm):
+            raise ValueError(f"slot {slot}: cannot keep {n} tokens of a trace of {records[0][1].shape[0]} "
+                             f"over {len(records)} of {len(self.ssm)} layers")  # fmt: skip
+        for (window, states), conv, ssm in zip(records, self.conv, self.ssm, strict=True):
+            conv[slot].copy_(window[:, n : n + conv.shape[-1]])
+            ssm[slot].copy_(states[n - 1])
 
     def reset(self, slot: int) -> None:
         """Zero ``slot`` in every layer (the state before any token)."""

@@ -97,3 +97,30 @@ def test_errors_are_precise() -> None:
         MambaSpec(num_layers=0, conv_shape=(1,), ssm_shape=(1,))
     with pytest.raises(ValueError, match="ssm_shape"):
         MambaSpec(num_layers=1, conv_shape=(1,), ssm_shape=(0, 2))
+
+
+def test_keep_traced_takes_the_state_after_the_kept_tokens() -> None:
+    """A verify pass's trace (per layer: the conv window and the state after each token): keeping
+    n tokens sets the conv state to the window's columns n : n + Ks and the recurrent state to the
+    one after token n; other slots are untouched; n outside 1..T, or a trace missing layers, is refused."""
+    from services.worker.models.linear_attn import StateTrace
+
+    pool = MambaPool(4, MambaSpec(num_layers=2, conv_shape=(6, 3), ssm_shape=(2, 4, 4)))
+    for t in (*pool.conv, *pool.ssm):
+        t.copy_(torch.randn(t.shape))
+    before = [t.clone() for t in (*pool.conv, *pool.ssm)]
+    tokens = 4
+    trace = StateTrace(frozenset({2}))
+    trace.records[2] = [(torch.randn(6, 3 + tokens), torch.randn(tokens, 2, 4, 4)) for _ in range(2)]
+    pool.keep_traced(trace, 2, 3)
+    for layer, (window, states) in enumerate(trace.records[2]):
+        assert torch.equal(pool.conv[layer][2], window[:, 3:6])
+        assert torch.equal(pool.ssm[layer][2], states[2])
+    for t, b in zip((*pool.conv, *pool.ssm), before, strict=True):
+        assert torch.equal(t[[0, 1, 3]], b[[0, 1, 3]])
+    for bad in (0, tokens + 1):
+        with pytest.raises(ValueError, match="cannot keep"):
+            pool.keep_traced(trace, 2, bad)
+    trace.records[2] = trace.records[2][:1]
+    with pytest.raises(ValueError, match="cannot keep"):
+        pool.keep_traced(trace, 2, 1)

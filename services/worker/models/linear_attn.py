@@ -20,7 +20,7 @@ names match the Hugging Face checkpoint (``linear_attn.*``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,21 @@ from kernels.conv1d import causal_conv1d_extend, causal_conv1d_update
 from kernels.gated_delta import gated_delta_extend, gated_delta_step
 from services.worker.tp import SINGLE, RowLinear, Tp, column_linear, shard_rows
 
+
+
+@dataclass(slots=True)
+class StateTrace:
+    """The states of some requests after each of their new tokens, through one forward (a verify
+    pass of drafts, so that rejected drafts can be dropped without running the kept ones again).
+
+    ``records[slot]``, one entry per linear-attention layer in the order they run: the conv window
+    ``[C, Ks + T]`` (the conv state before the pass, then the pass's ``T`` inputs: the state after
+    ``n`` tokens is its columns ``n : n + Ks``) and the recurrent state after every token
+    ``[T, Hv, Dk, Dv]``. Traced requests' tokens run one at a time in the recurrent form, as decode
+    steps run them (``MambaPool.keep_traced`` puts back the state after the kept ones)."""
+
+    slots: frozenset[int]
+    records: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +57,7 @@ class StateSpans:
 
     cu_seqlens: tuple[int, ...]
     slots: tuple[int, ...]
+    trace: StateTrace | None = None  # requests whose per-token states this forward records
 
     def __post_init__(self) -> None:
         if len(self.cu_seqlens) != len(self.slots) + 1:
@@ -210,6 +226,12 @@ class GatedDeltaNet(nn.Module):
         conv_out = torch.empty_like(mixed)
         if decode:
             conv_out[dec_tok] = causal_conv1d_update(mixed[dec_tok], conv_state, weight, None, dec_slots)
+        trace = spans.trace
+        traced = [i for i in extend if trace is not None and slots[i] in trace.slots]
+        windows: dict[int, torch.Tensor] = {}
+        for i in traced:  # the conv state before the pass, then the pass's inputs
+            s = slice(cu[i], cu[i + 1])
+            windows[i] = torch.cat((conv_state[slots[i]], mixed[s].t().to(conv_state.dtype)), dim=-1)
         for i in extend:
             s = slice(cu[i], cu[i + 1])
             conv_out[s] = causal_conv1d_extend(mixed[s], conv_state, weight, None, slots[i])
@@ -234,9 +256,28 @@ class GatedDeltaNet(nn.Module):
             )
         for i in extend:
             s = slice(cu[i], cu[i + 1])
+            if i in windows:
+                assert trace is not None
+                core[s], states = self._stepwise(q[s], k[s], v[s], g[s], beta[s], ssm_state, slots[i])
+                trace.records.setdefault(slots[i], []).append((windows[i], states))
+                continue
             # Chunked form for extends on the CPU, as transformers computes them.
             q_ext = q[s] * self.dk**-0.5
             core[s] = gated_delta_extend(q_ext, k[s], v[s], g[s], beta[s], ssm_state, slots[i])
 
         out = self.norm(core.to(x.dtype), z)
         return self.tp.all_reduce(self.out_proj(out.reshape(t, self.value_dim)))
+
+    def _stepwise(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        ssm_state: torch.Tensor, slot: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One request's tokens one at a time, as decode steps run them (q divided by sqrt(Dk), the
+        recurrent form); returns the outputs and the state after each token ``[T, Hv, Dk, Dv]``."""
+        idx = torch.tensor([slot], dtype=torch.long, device=q.device)
+        outs, states = [], []
+        for j in range(q.shape[0]):
+            one = slice(j, j + 1)
+            outs.append(gated_delta_step(q[one] / self.dk**0.5, k[one], v[one], g[one], beta[one], ssm_state, idx))
+            states.append(ssm_state[slot].clone())
+        return torch.cat(outs), torch.stack(states)

@@ -256,7 +256,7 @@ class Qwen3NextForCausalLM(nn.Module):
             cu = [0]
             for n in batch.extend_lens_list:
                 cu.append(cu[-1] + n)
-            spans = StateSpans(tuple(cu), tuple(batch.mamba_slots.tolist()))
+            spans = StateSpans(tuple(cu), tuple(batch.mamba_slots.tolist()), ctx.mamba.tracing)
         x = self.model.embed_tokens(batch.input_ids)
         layers = list(self.model.layers)
         for layer in layers[:-1]:
