@@ -216,7 +216,7 @@ bench-spec-draft: install $(BENCH_MODEL)/config.json
 
 # MTP speculation on a constructed Qwen3-Next (benchmarks/draft_pair.py --mtp: 16 layers whose own MTP head
 # keeps ~0.57 of its drafts served at MTP_SCALE 0.002, ~0.75 at 0.001): off against mtp at batch 1, 8 and 64.
-MTP_SCALE ?= 0.002
+MTP_SCALE ?= 0.001
 bench-spec-mtp: install $(BENCH_NEXT)/config.json
 	$(BIN)/python -m benchmarks.draft_pair --mtp --source $(BENCH_NEXT) --target models/qwen3-next-bench-mtp --scale $(MTP_SCALE)
 	$(BIN)/python -m benchmarks.spec --model models/qwen3-next-bench-mtp --sides off,mtp --workloads random --repeats 3 --out docs/bench/spec_mtp_$(MTP_SCALE).json

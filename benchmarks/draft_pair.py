@@ -154,25 +154,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft", type=Path, default=ROOT / "models" / "qwen3-bench-draft")
     p.add_argument("--draft-layers", type=int, default=1)
     p.add_argument("--target-layers", type=int, default=16)
-    p.add_argument("--scale", type=float, default=0.015, help="the later layers' output projections, multiplied")
+    p.add_argument("--scale", type=float, default=None,
+                   help="the later layers' output projections, multiplied (default 0.015; --mtp: 0.001)")
     p.add_argument("--check", type=int, default=4, help="prompts to measure the pair's greedy agreement on (0: none)")
     a = p.parse_args(argv)
     models = ROOT / "models"
     source = a.source or models / ("qwen3-next-bench" if a.mtp else "qwen3-bench")
     target = a.target or models / ("qwen3-next-bench-mtp" if a.mtp else "qwen3-bench-target")
+    scale = a.scale if a.scale is not None else (0.001 if a.mtp else 0.015)
     try:
         if a.mtp:
-            write_mtp_target(source, target, a.target_layers, a.scale)
+            write_mtp_target(source, target, a.target_layers, scale)
         else:
-            write_pair(source, target, a.draft, a.draft_layers, a.target_layers, a.scale)
+            write_pair(source, target, a.draft, a.draft_layers, a.target_layers, scale)
     except (ValueError, OSError) as e:
         print(f"draft_pair: {e}", file=sys.stderr)
         return 2
     if a.mtp:
-        print(f"wrote {target} ({a.target_layers} layers and its MTP head), scale {a.scale}; its agreement is the "
+        print(f"wrote {target} ({a.target_layers} layers and its MTP head), scale {scale}; its agreement is the "
               "acceptance benchmarks.spec --sides off,mtp measures")  # fmt: skip
         return 0
-    print(f"wrote {target} ({a.target_layers} layers) and {a.draft} (its first {a.draft_layers}), scale {a.scale}")
+    print(f"wrote {target} ({a.target_layers} layers) and {a.draft} (its first {a.draft_layers}), scale {scale}")
     if a.check:
         print(f"the draft's greedy token is the target's on {agreement(target, a.draft, a.check):.2f} of the "
               "target's greedy continuations (transformers, 256-token random prompts, 64 tokens each)")  # fmt: skip
